@@ -1,0 +1,84 @@
+"""Engine configuration: frozen keyword-only dataclasses, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxserve.core.sched.request_queue import SchedulingPolicy
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    # 0: no cap. Otherwise a prefill takes at most this many tokens per step, so one
+    # long prompt cannot starve the others (vLLM's long_prefill_token_threshold).
+    long_prefill_token_threshold: int = 0
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is disabled: a whole prompt must fit in one step"
+            )
+        if isinstance(self.policy, str):
+            object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory: int | None = None  # bytes; overrides the measured budget
+    cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size % 8:
+            raise ValueError(f"block_size must be a positive multiple of 8, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError("num_gpu_blocks_override must be at least 2 (the null block and one usable block)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ValueError("parallel sizes must be at least 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    model: str  # local folder (HF layout)
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on accelerators
+    max_model_len: int | None = None  # None: the model's own limit
+    seed: int = 0
+    served_model_name: str | None = None
+    max_logprobs: int = 20
+    attention_backend: str = "auto"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    # Padded sizes the runner compiles for; None: powers of two from the floor up to the max.
+    token_buckets: tuple[int, ...] | None = None
+    request_buckets: tuple[int, ...] | None = None
+    enforce_eager: bool = False  # skip the start-up warm-up

@@ -1,0 +1,56 @@
+"""SchedulerOutput: the diff the scheduler sends the runner each step.
+
+The runner keeps persistent per-request state, so only changes travel:
+new requests in full (NewRequestData), requests it already knows as deltas
+(CachedRequestData), and the ids of finished / preempted requests to drop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has never seen (or has forgotten)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]  # every block the request owns, in order
+    num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the runner already holds, as parallel lists indexed like req_ids."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # True: the request was preempted and is back; new_block_ids then *replace* its
+    # block table (its old blocks were freed) instead of extending it.
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step; every scheduled request is a key.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that finished since the last step: the runner drops their state.
+    finished_req_ids: set[str]
+    # Requests preempted in this schedule(): the runner removes them from the batch
+    # but keeps their token state for when they resume.
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

@@ -1,0 +1,359 @@
+"""Scheduler: decides each step which requests run and how many tokens each computes.
+
+There is no prefill or decode phase: every request has ``num_computed_tokens``
+catching up with ``num_tokens``. One token budget per step is shared by running
+requests (served first, in order) and then waiting ones. This one rule gives
+chunked prefill, continuous batching and prefix-cache skips.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.kv_cache_utils import PrefixCacheStats, get_request_block_hasher
+from jaxserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxserve.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
+from jaxserve.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    num_preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_gpu_blocks: int,
+        *,
+        check_invariants: bool = False,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.policy = scheduler_config.policy
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_gpu_blocks, self.block_size, self.max_model_len, cache_config.enable_prefix_caching
+        )
+        # Hashes are only needed with prefix caching; computing them is not free.
+        self.block_hasher = get_request_block_hasher(self.block_size) if cache_config.enable_prefix_caching else None
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished since the last schedule(): sent to the runner so it drops their state.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self.check_invariants = check_invariants
+
+    # ------------------------------------------------------------------ requests in/out
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        if request.num_tokens >= self.max_model_len + 1 or request.num_tokens == 0:
+            raise ValueError(
+                f"prompt of {request.num_tokens} tokens does not fit max_model_len={self.max_model_len}"
+            )
+        if self.block_hasher is not None and request._block_hasher is None:
+            request._block_hasher = self.block_hasher
+            request.update_block_hashes()
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids: str | list[str], finished_status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string found by the detokenizer)."""
+        assert RequestStatus.is_finished(finished_status)
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove_request(request)
+            request.status = finished_status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        assert request.is_finished()
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        return len(self.finished_req_ids) > 0
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        scheduled_new_reqs: list[Request] = []
+        scheduled_resumed_reqs: list[Request] = []
+        scheduled_running_reqs: list[Request] = []
+        preempted_reqs: list[Request] = []
+        req_to_new_block_ids: dict[str, list[int]] = {}
+        num_scheduled_tokens: dict[str, int] = {}
+        token_budget = self.max_num_scheduled_tokens
+        threshold = self.scheduler_config.long_prefill_token_threshold
+
+        # 1. Running requests, in order. Each needs its remaining tokens (1 when decoding).
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            num_new_tokens = min(num_new_tokens, token_budget)
+            # Never compute a position at or past max_model_len.
+            num_new_tokens = min(num_new_tokens, self.max_model_len - request.num_computed_tokens)
+            if num_new_tokens <= 0:
+                req_index += 1
+                continue
+
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                # Out of blocks: preempt the lowest-priority request (the last added under
+                # FCFS) and retry. It will recompute from scratch (the prefix cache helps).
+                if self.policy == SchedulingPolicy.PRIORITY:
+                    victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                    self.running.remove(victim)
+                    if victim in scheduled_running_reqs:
+                        # It was scheduled earlier in this loop: undo that.
+                        scheduled_running_reqs.remove(victim)
+                        token_budget += num_scheduled_tokens.pop(victim.request_id)
+                        req_to_new_block_ids.pop(victim.request_id)
+                        req_index -= 1
+                else:
+                    victim = self.running.pop()
+                self._preempt_request(victim)
+                preempted_reqs.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:  # the request preempted itself: nothing else fits
+                break
+
+            scheduled_running_reqs.append(request)
+            req_to_new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # 2. Waiting requests, in queue order, unless this step had to preempt.
+        if not preempted_reqs:
+            while self.waiting and token_budget > 0:
+                if len(self.running) == self.max_num_running_reqs:
+                    break
+                request = self.waiting.peek_request()
+                computed_blocks, num_new_local_computed = self.kv_cache_manager.get_computed_blocks(request)
+                num_computed_tokens = num_new_local_computed
+                num_new_tokens = request.num_tokens - num_computed_tokens
+                if 0 < threshold < num_new_tokens:
+                    num_new_tokens = threshold
+                if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > token_budget:
+                    break  # FCFS: do not skip the blocked request
+                num_new_tokens = min(num_new_tokens, token_budget)
+                assert num_new_tokens > 0
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_new_local_computed, computed_blocks
+                )
+                if new_blocks is None:
+                    break
+                self.waiting.pop_request()
+                self.running.append(request)
+                self.kv_cache_manager.record_prefix_cache_hit(request, num_computed_tokens)
+                if request.status == RequestStatus.WAITING:
+                    scheduled_new_reqs.append(request)
+                else:
+                    assert request.status == RequestStatus.PREEMPTED
+                    scheduled_resumed_reqs.append(request)
+                req_to_new_block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(request.request_id)
+                num_scheduled_tokens[request.request_id] = num_new_tokens
+                token_budget -= num_new_tokens
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_computed_tokens
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_computed_tokens
+
+        total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
+        assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens
+        assert token_budget >= 0
+        assert len(self.running) <= self.max_num_running_reqs
+
+        new_reqs_data = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                sampling_params=r.sampling_params,
+                block_ids=req_to_new_block_ids[r.request_id],
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in scheduled_new_reqs
+        ]
+        cached = CachedRequestData()
+        for r in scheduled_running_reqs + scheduled_resumed_reqs:
+            cached.req_ids.append(r.request_id)
+            cached.resumed_from_preemption.append(r in scheduled_resumed_reqs)
+            cached.new_block_ids.append(req_to_new_block_ids[r.request_id])
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+
+        scheduler_output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total_num_scheduled_tokens,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted_reqs},
+        )
+        # A request's computed count advances as soon as it is scheduled: its KV is
+        # written by this step, and the next schedule() may run before the output is back.
+        for req_id, n in num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        self.finished_req_ids = set()
+        if self.check_invariants:
+            self.assert_invariants()
+        return scheduler_output
+
+    def _preempt_request(self, request: Request) -> None:
+        assert request.status == RequestStatus.RUNNING
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    # ------------------------------------------------------------------ outputs
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop rules on token ids, free finished requests."""
+        outputs: list[EngineCoreOutput] = []
+        sampled = model_runner_output.sampled_token_ids
+        logprobs = model_runner_output.logprobs
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # aborted while the step ran: its tokens are dropped
+            req_index = model_runner_output.req_id_to_index[req_id]
+            new_token_ids = sampled[req_index]
+            stopped = False
+            if new_token_ids:
+                new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
+            new_logprobs = None
+            if logprobs is not None and new_token_ids and request.sampling_params.logprobs is not None:
+                new_logprobs = logprobs.slice(req_index, req_index + len(new_token_ids))
+            new_prompt_logprobs = model_runner_output.prompt_logprobs_dict.get(req_id)
+            if stopped:
+                self.running.remove(request)
+                self._free_request(request)
+            if new_token_ids or new_prompt_logprobs is not None or stopped:
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=req_id,
+                        new_token_ids=new_token_ids,
+                        new_logprobs=new_logprobs,
+                        new_prompt_logprobs=new_prompt_logprobs,
+                        finish_reason=request.get_finished_reason(),
+                        stop_reason=request.stop_reason,
+                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                    )
+                )
+        if self.check_invariants:
+            self.assert_invariants()
+        return outputs
+
+    def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
+        stopped = False
+        for num_new, token_id in enumerate(new_token_ids, 1):
+            request.append_output_token_ids(token_id)
+            stopped = check_stop(request, self.max_model_len)
+            if stopped:
+                # Tokens after the stop are dropped.
+                del new_token_ids[num_new:]
+                break
+        return new_token_ids, stopped
+
+    # ------------------------------------------------------------------ stats / checks
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
+            num_preemptions=self.num_preemptions,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def assert_invariants(self) -> None:
+        """Block accounting must add up after every step."""
+        pool = self.kv_cache_manager.block_pool
+        refs = [0] * pool.num_gpu_blocks
+        for req_id, blocks in self.kv_cache_manager.req_to_blocks.items():
+            assert req_id in self.requests, f"blocks held by unknown request {req_id}"
+            for b in blocks:
+                refs[b.block_id] += 1
+        free_ids = {b.block_id for b in pool.free_block_queue.get_all_free_blocks()}
+        assert len(free_ids) == pool.get_num_free_blocks()
+        for b in pool.blocks[1:]:
+            assert b.ref_cnt == refs[b.block_id], f"{b}: {refs[b.block_id]} holders"
+            assert (b.ref_cnt == 0) == (b.block_id in free_ids), f"{b} free-queue mismatch"
+        assert 0 not in free_ids, "the null block must never be free"
+        for h, bucket in pool.cached_block_hash_to_block.items():
+            for b in bucket.values():
+                assert b.block_hash == h
+        running = set(id(r) for r in self.running)
+        waiting = set(id(r) for r in self.waiting)
+        assert not running & waiting
+        assert len(running) + len(waiting) == len(self.requests)
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING
+            assert r.num_computed_tokens <= r.num_tokens
+            need = -(-min(r.num_computed_tokens, self.max_model_len) // self.block_size)
+            assert len(self.kv_cache_manager.req_to_blocks.get(r.request_id, [])) >= need
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert r.request_id not in self.kv_cache_manager.req_to_blocks
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Stop rules on token ids (stop *strings* are matched on text by the detokenizer)."""
+    if request.num_tokens >= max_model_len or (
+        request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
+    ):
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    sp = request.sampling_params
+    if request.num_output_tokens < sp.min_tokens:
+        return False
+    last = request.output_token_ids[-1]
+    if not sp.ignore_eos and last == request.eos_token_id:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if last in sp.stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = last
+        return True
+    return False

@@ -1,0 +1,92 @@
+"""What flows back: runner -> scheduler (ModelRunnerOutput), scheduler -> output
+processor (EngineCoreOutput), engine -> user (RequestOutput / CompletionOutput)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxserve.request import FinishReason
+
+
+@dataclass(slots=True)
+class LogprobsLists:
+    """Top-k logprobs for some positions. Column 0 is the sampled (or actual prompt)
+    token, columns 1..k the top-k. Shapes: [M, k+1], [M, k+1], [M]."""
+
+    logprob_token_ids: np.ndarray
+    logprobs: np.ndarray
+    sampled_token_ranks: np.ndarray
+
+    def slice(self, start: int, end: int) -> "LogprobsLists":
+        return LogprobsLists(
+            self.logprob_token_ids[start:end], self.logprobs[start:end], self.sampled_token_ranks[start:end]
+        )
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # One list per request in req_ids: the tokens sampled this step ([] for a request
+    # still in the middle of its prefill).
+    sampled_token_ids: list[list[int]]
+    logprobs: LogprobsLists | None = None  # rows indexed like req_ids
+    # Prompt logprobs computed this step, per request (only requests that asked).
+    prompt_logprobs_dict: dict[str, LogprobsLists] = field(default_factory=dict)
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], {}, [])
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per position: token id -> Logprob.
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict | None = None

@@ -1,0 +1,140 @@
+"""SamplingParams: vLLM's sampling knobs, validated on construction.
+
+Choices where vLLM versions differ (see shared/reference §13):
+- temperature must lie in [0, 2] (OpenAI's range; the newest vLLM rejects > 2);
+  0 < temperature < 1e-2 is raised to 1e-2 with a warning (sampling at a lower
+  temperature is numerically indistinguishable from greedy anyway).
+- greedy sampling (temperature 0) with n > 1 is rejected: the n copies would be
+  identical.
+- top_k 0 and -1 both mean "disabled"; it is stored as 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import warnings
+from dataclasses import dataclass, field
+
+_MIN_TEMPERATURE = 1e-2
+MAX_LOGPROBS_DEFAULT = 20
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries everything so far
+    DELTA = 1  # every output carries only what is new (streaming)
+    FINAL_ONLY = 2  # one output when the request finishes (offline)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled in by the engine from the tokenizer / generation config: EOS plus
+    # stop_token_ids; the detokenizer holds text back this many characters.
+    _all_stop_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
+        if self.stop is None:
+            set_("stop", [])
+        elif isinstance(self.stop, str):
+            set_("stop", [self.stop])
+        else:
+            set_("stop", list(self.stop))
+        set_("stop_token_ids", list(self.stop_token_ids or []))
+        if self.top_k == -1:
+            set_("top_k", 0)
+        if self.seed == -1:
+            set_("seed", None)
+        self._verify_args()
+        if 0 < self.temperature < _MIN_TEMPERATURE:
+            warnings.warn(
+                f"temperature {self.temperature} is below {_MIN_TEMPERATURE}; using {_MIN_TEMPERATURE}",
+                stacklevel=3,
+            )
+            set_("temperature", _MIN_TEMPERATURE)
+        if self.temperature == 0.0:
+            # Greedy: the sampler takes the argmax; top-p/k/min-p are irrelevant.
+            set_("top_p", 1.0)
+            set_("top_k", 0)
+            set_("min_p", 0.0)
+        set_("_all_stop_token_ids", frozenset(self.stop_token_ids) | self._all_stop_token_ids)
+
+    def _verify_args(self) -> None:
+        def bad(name: str, rule: str, value) -> ValueError:
+            return ValueError(f"{name} must be {rule}, got {value!r}.")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "at least 1", self.n)
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "in [-2, 2]", self.presence_penalty)
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty)
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise bad("repetition_penalty", "a finite number greater than 0", self.repetition_penalty)
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0):
+            raise bad("temperature", "in [0, 2]", self.temperature)
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]", self.top_p)
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "-1, 0 (disabled) or a positive integer", self.top_k)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]", self.min_p)
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "an integer", self.seed)
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", "at least 1", self.max_tokens)
+        if self.min_tokens < 0:
+            raise bad("min_tokens", "at least 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and v < 0 and v != -1:
+                raise bad(name, "non-negative, or -1 for the whole vocabulary", v)
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise ValueError("stop must not contain empty strings.")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers.")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are only supported when detokenize is True.")
+        if self.temperature == 0.0 and self.n > 1:
+            raise ValueError("n must be 1 when using greedy sampling (temperature 0).")
+
+    @property
+    def all_stop_token_ids(self) -> frozenset[int]:
+        return self._all_stop_token_ids
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def with_eos(self, eos_token_ids: set[int] | frozenset[int]) -> "SamplingParams":
+        """A copy whose all_stop_token_ids also hold the model's EOS ids (for min_tokens)."""
+        ids = frozenset(self.stop_token_ids) | frozenset(eos_token_ids)
+        return dataclasses.replace(self, _all_stop_token_ids=ids)
+
+    def replace(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,126 @@
+"""Plain-jnp ragged paged attention: the CPU default and the oracle for every kernel.
+
+Shapes (DESIGN §4): T tokens, N query heads, K kv heads, H head dim, R requests,
+P pages, S page size, Pmax pages per request.
+
+KV cache layout, per layer: ``kv_cache[P, S, 2K, H]`` with K and V interleaved on
+axis 2 (row 2h is K of kv head h, row 2h+1 its V). Page 0 is the null page: padded
+tokens write there and nothing valid reads it.
+
+The loop over pages has a *dynamic* trip count (the longest kv_len in the step), so
+the cost follows the real context length while the compiled shape stays fixed: a
+decode step over short sequences does not pay for ``max_model_len``.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Pages gathered per loop iteration: enough work per iteration to hide the loop
+# overhead on CPU, small enough that a short context does not waste much.
+_PAGES_PER_CHUNK = 8
+
+
+def write_kv_cache(kv_cache, k, v, slot_mapping):
+    """Write new tokens' K/V into the paged cache (one scatter).
+
+    kv_cache: [P, S, 2K, H]; k, v: [T, K, H]; slot_mapping: [T] int32
+    (slot = page * S + offset; padded tokens point into the null page 0).
+    Returns the updated cache (in place when the caller donates it).
+    """
+    num_pages, page_size, two_k, head_dim = kv_cache.shape
+    t = k.shape[0]
+    new = jnp.stack([k, v], axis=2).reshape(t, two_k, head_dim).astype(kv_cache.dtype)
+    pages = slot_mapping // page_size
+    offsets = slot_mapping % page_size
+    return kv_cache.at[pages, offsets].set(new, mode="drop")
+
+
+def token_request_index(cu_q_lens, num_seqs, num_tokens):
+    """Request index of every token: [T] int32 (padded tokens get num_seqs)."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    r = cu_q_lens.shape[0] - 1
+    # Rows past num_seqs are masked to "infinitely far" so padded tokens map past them.
+    ends = jnp.where(jnp.arange(r) < num_seqs, cu_q_lens[1:], jnp.iinfo(jnp.int32).max)
+    idx = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)
+    valid = t < cu_q_lens[num_seqs]
+    return jnp.where(valid, idx, num_seqs)
+
+
+def ragged_paged_attention(
+    q,
+    kv_cache,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+):
+    """Causal attention of a ragged batch of queries against a paged KV cache.
+
+    q: [T, N, H]; kv_cache: [P, S, 2K, H]; kv_lens: [R] int32 (tokens in the
+    cache for each request, including this step's); page_indices: [R, Pmax] int32;
+    cu_q_lens: [R+1] int32 (query offsets into T); num_seqs: int32 scalar (valid
+    rows of kv_lens / page_indices). Token i of request r sits at position
+    ``kv_lens[r] - q_len[r] + i`` and sees keys at positions <= its own.
+    Returns o: [T, N, H] in q's dtype; padded tokens get zeros.
+    """
+    t, n, h = q.shape
+    _, page_size, two_k, _ = kv_cache.shape
+    k_heads = two_k // 2
+    groups = n // k_heads
+    r, pmax = page_indices.shape
+
+    req = token_request_index(cu_q_lens, num_seqs, t)  # [T]
+    valid_tok = req < num_seqs
+    req_c = jnp.minimum(req, r - 1)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    tok_pos = (kv_lens[req_c] - q_lens[req_c] + (jnp.arange(t) - cu_q_lens[req_c])).astype(jnp.int32)
+    tok_kv_len = jnp.where(valid_tok, kv_lens[req_c], 0)
+
+    chunk = min(_PAGES_PER_CHUNK, pmax)
+    pad = (-pmax) % chunk
+    pages_padded = jnp.pad(page_indices, ((0, 0), (0, pad)))
+    tok_pages = pages_padded[req_c]  # [T, Pmax']
+    chunk_tokens = chunk * page_size
+
+    qf = (q.astype(jnp.float32) * sm_scale).reshape(t, k_heads, groups, h)
+    max_len = jnp.max(jnp.where(jnp.arange(r) < num_seqs, kv_lens, 0))
+    num_chunks = (max_len + chunk_tokens - 1) // chunk_tokens
+
+    def body(c, carry):
+        m, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(tok_pages, c * chunk, chunk, axis=1)  # [T, C]
+        kv = kv_cache[pages].astype(jnp.float32)  # [T, C, S, 2K, H]
+        kv = kv.reshape(t, chunk_tokens, k_heads, 2, h)
+        keys, values = kv[..., 0, :], kv[..., 1, :]  # [T, L, K, H]
+        s = jnp.einsum("tkgh,tlkh->tkgl", qf, keys)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        kpos = c * chunk_tokens + jnp.arange(chunk_tokens)  # [L]
+        mask = (kpos[None, :] < tok_kv_len[:, None]) & (kpos[None, :] <= tok_pos[:, None])
+        if sliding_window is not None:
+            mask &= kpos[None, :] > tok_pos[:, None] - sliding_window
+        # Unused page slots may hold anything (NaN included): mask values too.
+        values = jnp.where(mask[:, :, None, None], values, 0.0)
+        mask = mask[:, None, None, :]
+        s = jnp.where(mask, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+        alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+        l_new = alpha * l + jnp.sum(p, axis=-1)
+        acc_new = alpha[..., None] * acc + jnp.einsum("tkgl,tlkh->tkgh", p, values)
+        return m_new, l_new, acc_new
+
+    init = (
+        jnp.full((t, k_heads, groups), -jnp.inf, jnp.float32),
+        jnp.zeros((t, k_heads, groups), jnp.float32),
+        jnp.zeros((t, k_heads, groups, h), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return out.reshape(t, n, h).astype(q.dtype)
