@@ -21,18 +21,21 @@ import jax.numpy as jnp
 _PAGES_PER_CHUNK = 8
 
 
-def write_kv_cache(kv_cache, k, v, slot_mapping):
+def write_kv_cache(kv_cache, k, v, slot_mapping, *, layer=None):
     """Write new tokens' K/V into the paged cache (one scatter).
 
-    kv_cache: [P, S, 2K, H]; k, v: [T, K, H]; slot_mapping: [T] int32
-    (slot = page * S + offset; padded tokens point into the null page 0).
-    Returns the updated cache (in place when the caller donates it).
+    kv_cache: [P, S, 2K, H], or [L, P, S, 2K, H] with ``layer`` (a scalar index) for
+    caches stacked over layers (written in place inside a layer scan, no slice copy);
+    k, v: [T, K, H]; slot_mapping: [T] int32 (slot = page * S + offset; padded tokens
+    point into the null page 0). Returns the updated cache (in place when donated).
     """
-    num_pages, page_size, two_k, head_dim = kv_cache.shape
+    page_size, two_k, head_dim = kv_cache.shape[-3:]
     t = k.shape[0]
     new = jnp.stack([k, v], axis=2).reshape(t, two_k, head_dim).astype(kv_cache.dtype)
     pages = slot_mapping // page_size
     offsets = slot_mapping % page_size
+    if layer is not None:
+        return kv_cache.at[layer, pages, offsets].set(new, mode="drop")
     return kv_cache.at[pages, offsets].set(new, mode="drop")
 
 
@@ -58,6 +61,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    layer=None,
 ):
     """Causal attention of a ragged batch of queries against a paged KV cache.
 
@@ -66,10 +70,12 @@ def ragged_paged_attention(
     cu_q_lens: [R+1] int32 (query offsets into T); num_seqs: int32 scalar (valid
     rows of kv_lens / page_indices). Token i of request r sits at position
     ``kv_lens[r] - q_len[r] + i`` and sees keys at positions <= its own.
+    With ``layer`` given, kv_cache is [L, P, S, 2K, H] and layer ``layer`` is read
+    (pages are gathered straight from the stacked cache, no per-layer slice copy).
     Returns o: [T, N, H] in q's dtype; padded tokens get zeros.
     """
     t, n, h = q.shape
-    _, page_size, two_k, _ = kv_cache.shape
+    page_size, two_k, _ = kv_cache.shape[-3:]
     k_heads = two_k // 2
     groups = n // k_heads
     r, pmax = page_indices.shape
@@ -94,7 +100,7 @@ def ragged_paged_attention(
     def body(c, carry):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(tok_pages, c * chunk, chunk, axis=1)  # [T, C]
-        kv = kv_cache[pages].astype(jnp.float32)  # [T, C, S, 2K, H]
+        kv = (kv_cache[pages] if layer is None else kv_cache[layer, pages]).astype(jnp.float32)  # [T, C, S, 2K, H]
         kv = kv.reshape(t, chunk_tokens, k_heads, 2, h)
         keys, values = kv[..., 0, :], kv[..., 1, :]  # [T, L, K, H]
         s = jnp.einsum("tkgh,tlkh->tkgl", qf, keys)

@@ -1,0 +1,16 @@
+"""AttentionMetadata: per-step device inputs of the attention layers (one pytree)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: jax.Array  # [T] int32: page * S + offset of each token's KV slot
+    seq_lens: jax.Array  # [Rmax] int32: kv_lens (computed + scheduled tokens)
+    query_start_loc: jax.Array  # [Rmax+1] int32: cu_q_lens
+    block_tables: jax.Array  # [Rmax, Pmax] int32: page indices per request
+    num_seqs: jax.Array  # [] int32: valid rows of the per-request arrays

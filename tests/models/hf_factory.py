@@ -1,0 +1,60 @@
+"""Tiny random HF checkpoints built on the fly (torch is a test-only dependency)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv_heads: int = 2,
+                       seed: int = 0, vocab: int = 512, layers: int = 2, max_pos: int = 512) -> Path:
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+                  tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common, head_dim=16, rms_norm_eps=1e-5)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "llama3":
+        cfg = transformers.LlamaConfig(**common, head_dim=16, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+        model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=16)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    # Random init in HF is small (std 0.02): scale up so logits are not near-uniform and
+    # greedy choices have margins worth comparing.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)
+            elif "bias" in str(p):
+                p.normal_(0, 0.5)
+    model = model.float().eval()
+    model.save_pretrained(path)
+    _write_tokenizer(path, vocab)
+    return path
+
+
+def _write_tokenizer(path: Path, vocab: int) -> None:
+    """A word-level tokenizer over a synthetic vocabulary, so text round-trips."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(3, vocab):
+        words[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                          "{% if add_generation_prompt %}w3 {% endif %}")
+    fast.save_pretrained(path)
