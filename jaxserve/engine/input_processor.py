@@ -1,0 +1,63 @@
+"""InputProcessor: prompts -> validated token ids; one place for every input check."""
+from __future__ import annotations
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_logprobs: int,
+                 eos_token_ids: set[int], primary_eos: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.eos_token_ids = eos_token_ids
+        self.primary_eos = primary_eos
+
+    def tokenize(self, prompt, *, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """prompt: str, {"prompt": str} or {"prompt_token_ids": [...]}; returns (text, ids)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
+        return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError("The decoder prompt cannot be empty")
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise ValueError(f"prompt token ids must be integers, got {t!r}")
+        lo, hi = min(prompt_token_ids), max(prompt_token_ids)
+        if lo < 0:
+            raise ValueError(f"prompt token id {lo} must be greater than or equal to 0")
+        if hi >= self.vocab_size:
+            raise ValueError(f"prompt token id {hi} is out of vocabulary (vocab size {self.vocab_size})")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum model "
+                f"length of {self.max_model_len}. Make sure that `max_model_len` is no smaller than the "
+                "number of text tokens."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and (v == -1 or v > self.max_logprobs):
+                raise ValueError(
+                    f"Requested {name} of {v}, which is greater than max allowed: {self.max_logprobs}"
+                )
+
+    def resolve_params(self, prompt_len: int, params: SamplingParams) -> tuple[SamplingParams, int]:
+        """EOS folded into the stop ids (for min_tokens), max_tokens resolved."""
+        if not params.ignore_eos and self.primary_eos is not None:
+            # Extra EOS ids (generation_config, e.g. Llama 3's <|eot_id|>) stop like stop tokens.
+            extra = sorted(self.eos_token_ids - {self.primary_eos} - set(params.stop_token_ids))
+            if extra:
+                params = params.replace(stop_token_ids=params.stop_token_ids + extra)
+        params = params.with_eos(set() if params.ignore_eos else self.eos_token_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
+        return params, max(max_tokens, 1)

@@ -1,0 +1,92 @@
+"""LLMEngine: the synchronous engine (InputProcessor -> EngineCore -> OutputProcessor)."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from transformers import AutoTokenizer
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.core import EngineCore
+from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.outputs import RequestOutput
+from jaxserve.request import Request
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxserve")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
+        self.config = config
+        mc = config.model_config
+        t0 = time.perf_counter()
+        self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or mc.model)
+        self.engine_core = EngineCore(config, mc.model, progress=progress)
+        runner = self.engine_core.model_runner
+        eos = set(runner.arch.eos_token_id)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else (
+            min(eos) if eos else None)
+        self.input_processor = InputProcessor(
+            self.tokenizer, vocab_size=runner.vocab_size, max_model_len=config.scheduler_config.max_model_len,
+            max_logprobs=mc.max_logprobs, eos_token_ids=eos,
+            primary_eos=self.eos_token_id)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.startup_seconds = time.perf_counter() - t0
+        self._ids = itertools.count()
+
+    # --------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt, params: SamplingParams, *, priority: int = 0,
+                    cache_salt: str | None = None, add_special_tokens: bool = True, queue=None) -> None:
+        text, ids = self.input_processor.tokenize(prompt, add_special_tokens=add_special_tokens)
+        self.add_tokenized_request(request_id, text, ids, params, priority=priority, cache_salt=cache_salt,
+                                   queue=queue)
+
+    def add_tokenized_request(self, request_id: str, text, ids: list[int], params: SamplingParams, *,
+                              priority: int = 0, cache_salt: str | None = None, queue=None,
+                              arrival_time: float | None = None) -> None:
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        self.input_processor.validate(ids, params)
+        resolved, max_tokens = self.input_processor.resolve_params(len(ids), params)
+        children = [(request_id, 0, resolved)] if params.n == 1 else [
+            (f"{i}_{request_id}", i,
+             resolved.replace(n=1, seed=None if resolved.seed is None else resolved.seed + i))
+            for i in range(params.n)
+        ]
+        for child_id, index, child_params in children:
+            self.output_processor.add_request(child_id, request_id, index, text, ids, resolved, queue=queue)
+            self.engine_core.add_request(Request(
+                child_id, ids, child_params, None if params.ignore_eos else self.eos_token_id,
+                priority=priority, cache_salt=cache_salt, max_tokens=max_tokens, arrival_time=arrival_time,
+            ))
+
+    def engine_request_ids(self, request_id: str) -> list[str]:
+        return [s.request_id for s in self.output_processor.request_states.values() if s.external_id == request_id]
+
+    def abort_request(self, request_ids: str | list[str]) -> list:
+        """Abort requests (by the caller's id); returns the final abort outputs."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        engine_ids = [eid for rid in request_ids for eid in self.engine_request_ids(rid)]
+        self.engine_core.abort_requests(engine_ids)
+        return self.output_processor.abort_requests(engine_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests() or self.engine_core.has_work()
+
+    # --------------------------------------------------------------- step
+    def step_with_states(self):
+        """One engine step: [(RequestState, RequestOutput)]."""
+        core_outputs = self.engine_core.step()
+        outputs, reqs_to_abort = self.output_processor.process_outputs(core_outputs)
+        if reqs_to_abort:
+            self.engine_core.finish_stopped(reqs_to_abort)
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        return [out for _, out in self.step_with_states()]

@@ -1,0 +1,188 @@
+"""OutputProcessor: EngineCoreOutputs -> RequestOutputs (detokenized, stop strings,
+logprobs as dicts, n > 1 completions gathered under their parent)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.outputs import CompletionOutput, EngineCoreOutput, Logprob, LogprobsLists, RequestOutput
+from jaxserve.request import FinishReason
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class ParentRequest:
+    """An n > 1 request: child i is engine request f"{i}_{request_id}"."""
+
+    request_id: str
+    n: int
+    completions: dict[int, CompletionOutput] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+
+
+@dataclass
+class RequestState:
+    request_id: str  # engine request id (the child id for n > 1)
+    external_id: str
+    index: int
+    parent: ParentRequest | None
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    output_kind: RequestOutputKind
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    sent_text_len: int = 0
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    num_cached_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    queue: object = None  # per-request output queue (AsyncLLM)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
+
+    def add_request(self, request_id: str, external_id: str, index: int, prompt: str | None,
+                    prompt_token_ids: list[int], params: SamplingParams, queue=None) -> None:
+        parent = None
+        if params.n > 1:
+            parent = self.parents.setdefault(external_id, ParentRequest(external_id, params.n))
+        state = RequestState(
+            request_id=request_id, external_id=external_id, index=index, parent=parent, prompt=prompt,
+            prompt_token_ids=prompt_token_ids, params=params,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids),
+            output_kind=params.output_kind,
+            logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            cumulative_logprob=0.0 if params.logprobs is not None else None,
+            queue=queue,
+        )
+        self.request_states[request_id] = state
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def abort_requests(self, request_ids) -> list[RequestOutput]:
+        """Drop state of aborted requests; returns their final (abort) outputs."""
+        outs = []
+        for rid in list(request_ids):
+            st = self.request_states.get(rid)
+            if st is None:
+                continue
+            out = self._make_output(st, FinishReason.ABORT, None)
+            if out is not None:
+                outs.append((st, out))
+            self._finish(st)
+        return outs
+
+    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]):
+        """Returns ([(state, RequestOutput)], request ids to abort in the engine core
+        because a stop string ended them)."""
+        outputs = []
+        reqs_to_abort = []
+        now = time.monotonic()
+        for eco in engine_core_outputs:
+            st = self.request_states.get(eco.request_id)
+            if st is None:
+                continue
+            if eco.new_token_ids and st.first_token_time is None:
+                st.first_token_time = now
+            st.num_cached_tokens = eco.num_cached_tokens
+            st.token_ids.extend(eco.new_token_ids)
+            finish_reason, stop_reason = eco.finish_reason, eco.stop_reason
+            stop_terminated = finish_reason == FinishReason.STOP and bool(eco.new_token_ids)
+            stop_str = st.detokenizer.update(eco.new_token_ids, stop_terminated)
+            if stop_str is not None and finish_reason is None:
+                finish_reason, stop_reason = FinishReason.STOP, stop_str
+                reqs_to_abort.append(eco.request_id)
+            elif stop_str is not None:
+                finish_reason, stop_reason = FinishReason.STOP, stop_str
+            if eco.new_logprobs is not None and st.logprobs is not None:
+                self._append_logprobs(st, eco.new_logprobs, len(eco.new_token_ids))
+            if eco.new_prompt_logprobs is not None and st.prompt_logprobs is not None:
+                st.prompt_logprobs.extend(self._logprob_dicts(
+                    eco.new_prompt_logprobs, st.params.prompt_logprobs, len(eco.new_prompt_logprobs.logprobs)))
+            out = self._make_output(st, finish_reason, stop_reason)
+            if out is not None:
+                outputs.append((st, out))
+            if finish_reason is not None:
+                self._finish(st)
+        return outputs, reqs_to_abort
+
+    def _finish(self, st: RequestState) -> None:
+        self.request_states.pop(st.request_id, None)
+        if st.parent is not None and len(st.parent.finished) == st.parent.n:
+            self.parents.pop(st.parent.request_id, None)
+
+    def _logprob_dicts(self, lists: LogprobsLists, k: int, count: int) -> list[dict[int, Logprob]]:
+        out = []
+        decode = self.tokenizer.decode
+        for row in range(count):
+            ids = lists.logprob_token_ids[row]
+            lps = lists.logprobs[row]
+            d = {int(ids[0]): Logprob(float(lps[0]), int(lists.sampled_token_ranks[row]), decode([int(ids[0])]))}
+            for j in range(1, min(k, len(ids) - 1) + 1):
+                tid = int(ids[j])
+                if tid not in d:
+                    d[tid] = Logprob(float(lps[j]), j, decode([tid]))
+            out.append(d)
+        return out
+
+    def _append_logprobs(self, st: RequestState, lists: LogprobsLists, count: int) -> None:
+        dicts = self._logprob_dicts(lists, st.params.logprobs, count)
+        for row, d in enumerate(dicts):
+            st.cumulative_logprob += float(lists.logprobs[row][0])
+        st.logprobs.extend(dicts)
+
+    def _make_output(self, st: RequestState, finish_reason, stop_reason) -> RequestOutput | None:
+        finished = finish_reason is not None
+        delta = st.output_kind == RequestOutputKind.DELTA
+        if st.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        text = st.detokenizer.get_next_output_text(finished, delta, st.sent_text_len)
+        if delta:
+            token_ids = st.token_ids[st.sent_tokens :]
+            logprobs = st.logprobs[st.sent_logprobs :] if st.logprobs is not None else None
+            if not finished and not token_ids and not text:
+                return None
+            st.sent_text_len += len(text)
+            st.sent_tokens = len(st.token_ids)
+            st.sent_logprobs = len(st.logprobs) if st.logprobs is not None else 0
+        else:
+            token_ids, logprobs = list(st.token_ids), st.logprobs
+        completion = CompletionOutput(
+            index=st.index, text=text, token_ids=list(token_ids), cumulative_logprob=st.cumulative_logprob,
+            logprobs=list(logprobs) if logprobs is not None else None,
+            finish_reason=str(finish_reason) if finished else None, stop_reason=stop_reason if finished else None,
+        )
+        prompt_logprobs = st.prompt_logprobs
+        if st.parent is None:
+            return RequestOutput(st.external_id, st.prompt, st.prompt_token_ids, prompt_logprobs, [completion],
+                                 finished, st.num_cached_tokens, self._metrics(st))
+        parent = st.parent
+        if finished:
+            parent.finished.add(st.index)
+        all_done = len(parent.finished) == parent.n
+        if st.output_kind == RequestOutputKind.FINAL_ONLY:
+            parent.completions[st.index] = completion
+            if not all_done:
+                return None
+            outs = [parent.completions[i] for i in sorted(parent.completions)]
+        else:
+            outs = [completion]
+        return RequestOutput(parent.request_id, st.prompt, st.prompt_token_ids, prompt_logprobs, outs, all_done,
+                             st.num_cached_tokens, self._metrics(st))
+
+    @staticmethod
+    def _metrics(st: RequestState) -> dict:
+        return {"arrival_time": st.arrival_time, "first_token_time": st.first_token_time,
+                "num_generation_tokens": len(st.token_ids)}

@@ -1,0 +1,47 @@
+"""Padded sizes the step compiles for, and O(1) lookup of the bucket for a size."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def pad_to_multiple(x: int, multiple: int, max_limit: int | None = None, keep_one: bool = False) -> int:
+    if keep_one and x == 1:
+        return 1
+    out = -(-x // multiple) * multiple
+    return min(out, max_limit) if max_limit is not None else out
+
+
+def power_of_two_buckets(floor: int, maximum: int) -> tuple[int, ...]:
+    """floor, 2*floor, ... up to and including maximum (maximum always the last bucket)."""
+    out, b = [], max(1, floor)
+    while b < maximum:
+        out.append(b)
+        b *= 2
+    out.append(maximum)
+    return tuple(out)
+
+
+class BucketTable:
+    """Maps a size in [1, max] to the smallest bucket >= size via a lookup array."""
+
+    def __init__(self, buckets: tuple[int, ...] | list[int]) -> None:
+        self.buckets = tuple(sorted(set(int(b) for b in buckets)))
+        if not self.buckets or self.buckets[0] < 1:
+            raise ValueError(f"buckets must be positive, got {buckets}")
+        self.max = self.buckets[-1]
+        self._lookup = np.zeros(self.max + 1, np.int64)
+        lo = 0
+        for b in self.buckets:
+            self._lookup[lo : b + 1] = b
+            lo = b + 1
+
+    def __call__(self, n: int) -> int:
+        if n > self.max:
+            raise ValueError(f"size {n} exceeds the largest bucket {self.max}")
+        return int(self._lookup[n])
+
+    def __iter__(self):
+        return iter(self.buckets)
+
+    def __len__(self) -> int:
+        return len(self.buckets)

@@ -1,0 +1,114 @@
+"""InputBatch: the runner's persistent host state for the requests it holds.
+
+Each request lives in a fixed row ("slot") of preallocated numpy arrays from the
+step it is first scheduled until it finishes or is preempted, so a step only
+writes what changed (the SchedulerOutput diff) and builds its device inputs with
+vectorised numpy gathers over the scheduled rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxserve.sampling_params import SamplingParams
+
+# Stop ids masked while a request is below min_tokens (EOS + stop_token_ids).
+MAX_MASKED_STOP_IDS = 16
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """What the runner keeps about a request across preemption (its row may go away)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        n = max_num_reqs
+        self.req_ids: list[str | None] = [None] * n
+        self.req_id_to_index: dict[str, int] = {}
+        self._free_slots = list(range(n - 1, -1, -1))
+        # +1: the token sampled at the last position is stored although it gets no KV slot.
+        self.token_ids = np.zeros((n, max_model_len + 1), np.int32)
+        self.num_tokens = np.zeros(n, np.int32)
+        self.num_prompt_tokens = np.zeros(n, np.int32)
+        self.num_computed_tokens = np.zeros(n, np.int32)
+        self.block_table = np.zeros((n, max_num_blocks_per_req), np.int32)
+        self.num_blocks = np.zeros(n, np.int32)
+        self.temperature = np.zeros(n, np.float32)
+        self.top_k = np.zeros(n, np.int32)
+        self.top_p = np.ones(n, np.float32)
+        self.min_p = np.zeros(n, np.float32)
+        self.presence_penalty = np.zeros(n, np.float32)
+        self.frequency_penalty = np.zeros(n, np.float32)
+        self.repetition_penalty = np.ones(n, np.float32)
+        self.seeds = np.zeros(n, np.uint32)
+        self.min_tokens = np.zeros(n, np.int32)
+        self.stop_ids = np.full((n, MAX_MASKED_STOP_IDS), -1, np.int32)
+        self.wants_prompt_logprobs = np.zeros(n, np.bool_)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_index)
+
+    def add_request(self, state: CachedRequestState, num_computed_tokens: int, block_ids: list[int]) -> int:
+        if not self._free_slots:
+            raise RuntimeError("InputBatch is full (more running requests than max_num_seqs)")
+        i = self._free_slots.pop()
+        self.req_ids[i] = state.req_id
+        self.req_id_to_index[state.req_id] = i
+        tokens = state.prompt_token_ids + state.output_token_ids
+        self.token_ids[i, : len(tokens)] = tokens
+        self.num_tokens[i] = len(tokens)
+        self.num_prompt_tokens[i] = len(state.prompt_token_ids)
+        self.num_computed_tokens[i] = num_computed_tokens
+        self.num_blocks[i] = 0
+        self.append_block_ids(i, block_ids)
+        sp = state.sampling_params
+        self.temperature[i] = sp.temperature
+        self.top_k[i] = sp.top_k
+        self.top_p[i] = sp.top_p
+        self.min_p[i] = sp.min_p
+        self.presence_penalty[i] = sp.presence_penalty
+        self.frequency_penalty[i] = sp.frequency_penalty
+        self.repetition_penalty[i] = sp.repetition_penalty
+        self.seeds[i] = state.seed
+        self.min_tokens[i] = sp.min_tokens
+        stop = sorted(sp.all_stop_token_ids)[:MAX_MASKED_STOP_IDS]
+        self.stop_ids[i] = -1
+        self.stop_ids[i, : len(stop)] = stop
+        self.wants_prompt_logprobs[i] = sp.prompt_logprobs is not None
+        return i
+
+    def remove_request(self, req_id: str) -> int | None:
+        i = self.req_id_to_index.pop(req_id, None)
+        if i is None:
+            return None
+        self.req_ids[i] = None
+        self._free_slots.append(i)
+        return i
+
+    def append_block_ids(self, i: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        start = self.num_blocks[i]
+        self.block_table[i, start : start + len(block_ids)] = block_ids
+        self.num_blocks[i] = start + len(block_ids)
+
+    def output_token_ids(self, i: int) -> list[int]:
+        return self.token_ids[i, self.num_prompt_tokens[i] : self.num_tokens[i]].tolist()
+
+    def uses_penalties(self, rows: np.ndarray) -> bool:
+        return bool(
+            np.any(self.presence_penalty[rows] != 0)
+            or np.any(self.frequency_penalty[rows] != 0)
+            or np.any(self.repetition_penalty[rows] != 1)
+        )

@@ -1,0 +1,79 @@
+"""KV cache sizing (measured from device memory) and allocation with its sharding."""
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.core.kv_cache_utils import get_max_concurrency
+from models.config import ModelArchConfig
+
+logger = logging.getLogger("jaxserve")
+
+# Without device memory statistics (the CPU backend) the cache gets this much unless
+# kv_cache_memory says otherwise.
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def kv_cache_shape(c: ModelArchConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """[L, P, S, 2K, H]: K and V interleaved on axis 3."""
+    return (c.num_hidden_layers, num_blocks, block_size, 2 * c.num_key_value_heads, c.head_dim)
+
+
+def bytes_per_block(c: ModelArchConfig, block_size: int, dtype) -> int:
+    return int(np.prod(kv_cache_shape(c, 1, block_size))) * jnp.dtype(dtype).itemsize
+
+
+def determine_num_blocks(
+    c: ModelArchConfig,
+    *,
+    block_size: int,
+    dtype,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    kv_cache_memory: int | None,
+    num_gpu_blocks_override: int | None,
+    device: jax.Device,
+) -> int:
+    """Blocks (null block included) that fit the budget; ValueError if one
+    max_model_len sequence does not fit (naming the longest length that would)."""
+    per_block = bytes_per_block(c, block_size, dtype)
+    if num_gpu_blocks_override is not None:
+        num_blocks = num_gpu_blocks_override
+    else:
+        if kv_cache_memory is not None:
+            budget = kv_cache_memory
+        else:
+            stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+            if stats and "bytes_limit" in stats:
+                budget = int(stats["bytes_limit"] * gpu_memory_utilization) - stats.get("bytes_in_use", 0)
+            else:
+                budget = CPU_DEFAULT_KV_CACHE_BYTES
+        num_blocks = max(int(budget // per_block), 0)
+        usable_tokens = (num_blocks - 1) * block_size
+        if usable_tokens < max_model_len:
+            raise ValueError(
+                f"The KV cache budget ({budget / 2**30:.2f} GiB) holds {max(usable_tokens, 0)} tokens, fewer than "
+                f"max_model_len={max_model_len}. Estimated maximum model length: {max(usable_tokens, 0)}. "
+                "Lower max_model_len or raise gpu_memory_utilization / kv_cache_memory."
+            )
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at %d tokens: %.2fx",
+        num_blocks, block_size, (num_blocks - 1) * block_size, num_blocks * per_block / 2**20,
+        max_model_len, get_max_concurrency(num_blocks - 1, block_size, max_model_len),
+    )
+    return num_blocks
+
+
+def kv_cache_sharding(mesh) -> NamedSharding:
+    # Shard KV heads (axis 3) over 'model' for tensor parallelism.
+    return NamedSharding(mesh, P(None, None, None, "model", None))
+
+
+def allocate_kv_cache(c: ModelArchConfig, num_blocks: int, block_size: int, dtype, mesh) -> jax.Array:
+    shape = kv_cache_shape(c, num_blocks, block_size)
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_sharding(mesh))()
