@@ -1,0 +1,48 @@
+"""Greedy decoding with HF transformers (torch, f32), recording the top-2 margin so
+comparisons stop before a near-tie (where 1-ULP differences may legitimately flip argmax)."""
+from __future__ import annotations
+
+import numpy as np
+
+NEAR_TIE = 1e-3
+
+
+class HFReference:
+    def __init__(self, path):
+        import torch
+        import transformers
+
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        torch = self.torch
+        ids = list(prompt_ids)
+        out, margins = [], []
+        with torch.no_grad():
+            for _ in range(max_tokens):
+                logits = self.model(torch.tensor([ids])).logits[0, -1].numpy()
+                top2 = np.sort(logits)[-2:]
+                tok = int(np.argmax(logits))
+                out.append(tok)
+                margins.append(float(top2[1] - top2[0]))
+                ids.append(tok)
+        return out, margins
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        with self.torch.no_grad():
+            return self.model(self.torch.tensor([ids])).logits[0].numpy()
+
+
+def comparable_prefix(ref: list[int], margins: list[float]) -> int:
+    """Number of leading tokens whose choice is not a near-tie in HF."""
+    for i, m in enumerate(margins):
+        if m < NEAR_TIE:
+            return i
+    return len(ref)
+
+
+def assert_greedy_match(ours: list[int], ref: list[int], margins: list[float], what: str = "") -> None:
+    n = comparable_prefix(ref, margins)
+    assert n >= min(4, len(ref)), f"{what}: HF near-tie too early to compare ({margins[:5]})"
+    assert ours[:n] == ref[:n], f"{what}: jaxserve {ours[:n]} != HF {ref[:n]}"
