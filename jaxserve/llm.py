@@ -50,6 +50,8 @@ def build_engine_config(
     scheduling_policy: str = "fcfs",
     served_model_name: str | None = None,
     enforce_eager: bool = False,
+    token_buckets: list[int] | None = None,
+    request_buckets: list[int] | None = None,
     progress: bool = True,
 ) -> EngineConfig:
     from models.config import ModelArchConfig
@@ -62,7 +64,7 @@ def build_engine_config(
     elif max_model_len > model_limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {model_limit} positions")
     if max_num_batched_tokens is None:
-        max_num_batched_tokens = max(2048, 0) if enable_chunked_prefill else max_model_len
+        max_num_batched_tokens = 2048 if enable_chunked_prefill else max_model_len
     name = served_model_name or (model if model is not None else "SmolLM2-135M-Instruct")
     return EngineConfig(
         model_config=ModelConfig(model=path, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
@@ -77,6 +79,8 @@ def build_engine_config(
                                          policy=scheduling_policy),
         parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         enforce_eager=enforce_eager,
+        token_buckets=tuple(token_buckets) if token_buckets else None,
+        request_buckets=tuple(request_buckets) if request_buckets else None,
     )
 
 

@@ -178,28 +178,30 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self) -> float:
-        """Compile every program the step can use; returns seconds spent."""
+        """Compile every program the step can use; returns seconds spent.
+
+        Inputs come from the same places as in execute_model (numpy through
+        device_put, hidden states from the model step) so that shapes, dtypes and
+        shardings match exactly and serving hits the compiled programs."""
         t0 = time.perf_counter()
-        jobs = [("model", t) for t in self.token_buckets] + [("prompt_lp", t) for t in self.token_buckets]
+        jobs = [("model", t) for t in self.token_buckets]
         jobs += [("sample", r, g, p) for r in self.request_buckets for g in (True, False) for p in (False, True)]
+        last = None
         for job in tqdm(jobs, desc="Warm-up (compiling buckets)", disable=not self.progress):
             if job[0] == "model":
                 t = job[1]
-                inputs = self._dummy_model_inputs(t)
-                hidden, last, self.kv_cache = self._model_step(self.state, self.kv_cache, *inputs)
-            elif job[0] == "prompt_lp":
-                t = job[1]
+                hidden, last, self.kv_cache = self._model_step(self.state, self.kv_cache, *self._dummy_model_inputs(t))
                 jax.block_until_ready(self._prompt_logprobs_step(
-                    self.state, jnp.zeros((t, self.arch.hidden_size), self.dtype), jnp.zeros((t,), jnp.int32)))
+                    self.state, hidden, jax.device_put(np.zeros(t, np.int32))))
             else:
                 _, r, g, p = job
                 smd = self._dummy_sampling_metadata(r, p)
-                last = jnp.zeros((self.max_num_reqs, self.arch.hidden_size), self.dtype)
-                jax.block_until_ready(self._sample_step(self.state, last, smd, num_reqs=r, greedy_only=g, use_penalties=p))
+                jax.block_until_ready(self._sample_step(self.state, last, smd, num_reqs=r, greedy_only=g,
+                                                        use_penalties=p))
         jax.block_until_ready(self.kv_cache)
         dt = time.perf_counter() - t0
-        self.num_compiled_programs = len(jobs)
-        logger.info("Warm-up compiled %d programs in %.1f s", len(jobs), dt)
+        self.num_compiled_programs = 2 * len(self.token_buckets) + len(jobs) - len(self.token_buckets)
+        logger.info("Warm-up compiled %d programs in %.1f s", self.num_compiled_programs, dt)
         return dt
 
     def _dummy_model_inputs(self, t: int):

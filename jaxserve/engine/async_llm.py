@@ -1,0 +1,460 @@
+"""AsyncLLM: the engine for the server. One background thread owns the LLMEngine and
+runs its step loop; asyncio callers talk to it through a thread-safe inbox (requests,
+aborts) and get outputs back on per-request asyncio queues.
+
+Threads:
+- the engine thread is the only one that touches the LLMEngine (scheduler, runner,
+  output processor, detokenizers). It sleeps on a condition while there is no work.
+- callers (usually one asyncio event loop) validate and tokenize requests in their own
+  context with a separate tokenizer, so bad requests raise ValueError / TypeError there
+  (HTTP 400) and never reach the engine.
+- outputs are handed over with ``loop.call_soon_threadsafe``, once per step and loop.
+
+Abort (vLLM's semantics): ``abort(request_id)`` ends the caller's stream at once; the
+engine thread applies the abort between steps, so a request's KV blocks are freed only
+after the step that may still be writing them has finished.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Protocol
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.kv_cache_utils import PrefixCachingMetrics
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("jaxserve")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed (or was shut down); no request can be served any more."""
+
+
+# ----------------------------------------------------------------------------- stats
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str  # "stop" | "length" | "abort"
+    e2e_latency: float  # seconds from arrival to the final output
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    time_to_first_token: float | None  # None: finished before any token (abort)
+    mean_time_per_output_token: float | None  # (e2e - ttft) / (tokens - 1); None if < 2 tokens
+
+
+@dataclass
+class IterationStats:
+    """What one engine-loop iteration produced (for stat loggers)."""
+
+    num_prompt_tokens: int = 0  # prompts whose first token arrived this iteration
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)  # per output, per choice
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot the engine thread publishes after every loop iteration."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_unfinished_requests: int = 0  # engine-side, children of n > 1 counted separately
+    kv_cache_usage: float = 0.0  # fraction of usable blocks in use
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
+    prefix_cache_hits: int = 0  # cumulative tokens found in the cache
+    prefix_cache_hit_rate: float = 0.0  # over the most recent requests
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+
+class StatLogger(Protocol):
+    def record(self, engine_stats: EngineStats, iteration_stats: IterationStats | None) -> None:
+        """Called on the engine thread after each iteration; must be quick and thread-safe."""
+
+
+# ----------------------------------------------------------------------------- streams
+_ABORTED = object()  # queue sentinel: the caller aborted the request
+
+
+class RequestStream:
+    """Per-request hand-over point between the engine thread and one event loop.
+
+    The engine thread only reads ``closed`` and the timing fields it owns; everything
+    that touches ``queue`` runs on ``loop``."""
+
+    __slots__ = ("request_id", "loop", "queue", "closed", "n", "prompt", "prompt_token_ids", "arrival_time",
+                 "first_token_time", "last_output_time", "num_generation_tokens", "finished_indices")
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, n: int, prompt, prompt_token_ids) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.closed = False  # set by the caller side (finished, aborted, failed)
+        self.n = n
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.arrival_time = time.monotonic()
+        # Engine-thread bookkeeping for metrics.
+        self.first_token_time: float | None = None
+        self.last_output_time: dict[int, float] = {}
+        self.num_generation_tokens = 0
+        self.finished_indices: set[int] = set()
+
+
+def _deliver(items: list) -> None:
+    """Runs on the event loop: put each (stream, item) on its queue."""
+    for stream, item in items:
+        if not stream.closed:
+            stream.queue.put_nowait(item)
+
+
+# ----------------------------------------------------------------------------- AsyncLLM
+class AsyncLLM:
+    """Asynchronous front of an LLMEngine whose loop runs in a background thread."""
+
+    def __init__(self, config: EngineConfig, *, progress: bool = True, engine: LLMEngine | None = None,
+                 stat_loggers: list[StatLogger] | None = None, start: bool = True) -> None:
+        self.config = config
+        self.engine = engine if engine is not None else LLMEngine(config, progress=progress)
+        self.model_config = config.model_config
+        self.max_model_len = config.scheduler_config.max_model_len
+        # The engine thread detokenizes with the engine's tokenizer; callers tokenize with
+        # their own copy (HF fast tokenizers are not safe to share across threads).
+        self.tokenizer = copy.deepcopy(self.engine.tokenizer)
+        self.input_processor = copy.copy(self.engine.input_processor)
+        self.input_processor.tokenizer = self.tokenizer
+        self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+
+        self._cond = threading.Condition()
+        self._inbox: deque = deque()  # guarded by _cond
+        self._shutdown = False
+        self._dead_error: BaseException | None = None
+        self._streams: dict[str, RequestStream] = {}  # guarded by _streams_lock
+        self._streams_lock = threading.Lock()
+        self._stats = EngineStats()
+        self._prefix_metrics = PrefixCachingMetrics()
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        self._thread = threading.Thread(target=self._run_engine_loop, name="jaxserve-engine", daemon=True)
+        if start:
+            self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, model: str | None = None, *, compilation_cache: bool = True,
+                         stat_loggers: list[StatLogger] | None = None, **kwargs) -> "AsyncLLM":
+        """Same arguments as ``jaxserve.LLM`` (vLLM's names)."""
+        from jaxserve.llm import build_engine_config, enable_compilation_cache
+
+        if compilation_cache:
+            enable_compilation_cache()
+        progress = kwargs.get("progress", True)
+        return cls(build_engine_config(model, **kwargs), progress=progress, stat_loggers=stat_loggers)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead_error
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self.errored
+
+    def check_health(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(f"the engine loop is dead: {self._dead_error!r}")
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def get_stats(self) -> EngineStats:
+        return self._stats
+
+    # ------------------------------------------------------------------ inputs
+    def process_inputs(self, prompt, params: SamplingParams, *, add_special_tokens: bool = True):
+        """Tokenize and validate in the caller's context: returns (text, token_ids).
+
+        prompt: str, list of token ids, {"prompt": str} or {"prompt_token_ids": [...]}.
+        Raises ValueError / TypeError for a bad request."""
+        if isinstance(prompt, (list, tuple)):
+            prompt = {"prompt_token_ids": list(prompt)}
+        text, ids = self.input_processor.tokenize(prompt, add_special_tokens=add_special_tokens)
+        self.input_processor.validate(ids, params)
+        self.input_processor.resolve_params(len(ids), params)
+        return text, ids
+
+    # ------------------------------------------------------------------ generate / abort
+    async def generate(self, prompt, sampling_params: SamplingParams, request_id: str, *, priority: int = 0,
+                       cache_salt: str | None = None, add_special_tokens: bool = True,
+                       output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> AsyncIterator[RequestOutput]:
+        """Yields RequestOutputs as the engine produces them; the last has finished=True.
+
+        DELTA (the default): each output holds only what is new (for n > 1, one
+        choice per output, told apart by CompletionOutput.index). FINAL_ONLY: one
+        output at the end. Validation errors are raised on the first iteration, before
+        the request reaches the engine. Closing or cancelling the iterator aborts the
+        request."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        self.check_health()
+        text, ids = self.process_inputs(prompt, sampling_params, add_special_tokens=add_special_tokens)
+        params = sampling_params.replace(output_kind=output_kind)
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, loop, params.n, text, ids)
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        if self._dead_error is not None:  # died between the check above and registration
+            stream.closed = True
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+            self.check_health()
+        self._post(("add", stream, text, ids, params, priority, cache_salt))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                items = [item]
+                while not stream.queue.empty():
+                    items.append(stream.queue.get_nowait())
+                for out in self._merge(items, stream):
+                    if isinstance(out, BaseException):
+                        finished = True
+                        raise out
+                    finished = out.finished
+                    yield out
+                    if finished:
+                        return
+        finally:
+            stream.closed = True
+            with self._streams_lock:
+                if self._streams.get(request_id) is stream:
+                    del self._streams[request_id]
+            if not finished:
+                # Cancelled or closed by the caller (client disconnect): stop the request.
+                self._post(("abort", request_id))
+
+    def _merge(self, items: list, stream: RequestStream):
+        """Pending items -> what to yield. An abort or error wins over queued outputs;
+        consecutive DELTA outputs of one choice are merged (a slow reader gets fewer,
+        larger deltas, as in vLLM's RequestOutputCollector)."""
+        for item in items:
+            if item is _ABORTED:
+                return [self._abort_output(stream)]
+            if isinstance(item, BaseException):
+                return [item]
+        merged: list[RequestOutput] = []
+        for out in items:
+            prev = merged[-1] if merged else None
+            if (prev is not None and not prev.finished and len(prev.outputs) == 1 and len(out.outputs) == 1
+                    and prev.outputs[0].index == out.outputs[0].index and prev.outputs[0].finish_reason is None):
+                a, b = prev.outputs[0], out.outputs[0]
+                a.text += b.text
+                a.token_ids = a.token_ids + b.token_ids
+                if a.logprobs is not None and b.logprobs is not None:
+                    a.logprobs = a.logprobs + b.logprobs
+                a.cumulative_logprob = b.cumulative_logprob
+                a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
+                prev.finished = out.finished
+                prev.num_cached_tokens = out.num_cached_tokens
+                prev.metrics = out.metrics
+            else:
+                merged.append(out)
+        return merged
+
+    def _abort_output(self, stream: RequestStream) -> RequestOutput:
+        """Final output of a stream the caller aborted: every open choice ends with "abort"."""
+        open_indices = [i for i in range(stream.n) if i not in stream.finished_indices] or [0]
+        return RequestOutput(
+            stream.request_id, stream.prompt, stream.prompt_token_ids, None,
+            [CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
+                              finish_reason="abort") for i in open_indices],
+            finished=True)
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests (safe from any thread). Their streams end at once with a final
+        "abort" output; the engine frees them between steps. Unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            with self._streams_lock:
+                stream = self._streams.pop(rid, None)
+            if stream is not None and not stream.closed:
+                try:
+                    running = asyncio.get_running_loop()
+                except RuntimeError:
+                    running = None
+                if running is stream.loop:
+                    stream.queue.put_nowait(_ABORTED)
+                else:
+                    try:
+                        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, _ABORTED)
+                    except RuntimeError:  # the loop is closed: nobody is listening
+                        pass
+            self._post(("abort", rid))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine loop; pending requests fail with EngineDeadError."""
+        with self._cond:
+            self._shutdown = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        if self._dead_error is None:
+            self._dead_error = EngineDeadError("the engine was shut down")
+        self._fail_all_streams(EngineDeadError("the engine was shut down"))
+
+    # ------------------------------------------------------------------ engine thread
+    def _post(self, cmd) -> None:
+        with self._cond:
+            self._inbox.append(cmd)
+            self._cond.notify()
+
+    def _run_engine_loop(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not self._inbox and not self._shutdown and not engine.has_unfinished_requests():
+                        self._cond.wait()
+                    if self._shutdown:
+                        return
+                    cmds = list(self._inbox)
+                    self._inbox.clear()
+                iteration = IterationStats()
+                for cmd in cmds:
+                    self._apply(cmd, iteration)
+                if engine.has_unfinished_requests():
+                    steps_before = engine.engine_core.step_count
+                    outputs = engine.step_with_states()
+                    self._dispatch(outputs, iteration)
+                    if not outputs and engine.engine_core.step_count == steps_before:
+                        # Work exists but nothing could be scheduled: wait for an inbox
+                        # change instead of spinning.
+                        with self._cond:
+                            if not self._inbox and not self._shutdown:
+                                self._cond.wait(0.005)
+                self._publish_stats(iteration)
+        except BaseException as e:  # noqa: BLE001 — any failure kills the engine
+            logger.exception("The engine loop failed; the engine is dead")
+            self._dead_error = e
+            self._fail_all_streams(EngineDeadError(f"the engine loop failed: {e!r}"))
+
+    def _apply(self, cmd, iteration: IterationStats) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, stream, text, ids, params, priority, cache_salt = cmd
+            if stream.closed:  # aborted before it reached the engine
+                return
+            try:
+                self.engine.add_tokenized_request(stream.request_id, text, ids, params, priority=priority,
+                                                  cache_salt=cache_salt, queue=stream)
+            except (ValueError, TypeError) as e:
+                self._send(stream, e)
+        elif kind == "abort":
+            for st, out in self.engine.abort_request(cmd[1]):
+                stream = st.queue
+                if isinstance(stream, RequestStream):
+                    self._account(stream, out, time.monotonic(), iteration)
+        else:
+            raise AssertionError(f"unknown command {kind}")
+
+    @staticmethod
+    def _send(stream: RequestStream, item) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(_deliver, [(stream, item)])
+        except RuntimeError:  # loop closed
+            stream.closed = True
+
+    def _dispatch(self, outputs, iteration: IterationStats) -> None:
+        now = time.monotonic()
+        by_loop: dict = {}
+        for st, out in outputs:
+            stream = st.queue
+            if not isinstance(stream, RequestStream):
+                continue
+            self._account(stream, out, now, iteration)
+            if not stream.closed:
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # loop closed: nobody is listening any more
+                for stream, _ in items:
+                    stream.closed = True
+                    self.engine.abort_request(stream.request_id)
+
+    def _account(self, stream: RequestStream, out: RequestOutput, now: float, it: IterationStats) -> None:
+        """Per-request timing for the metrics (engine thread)."""
+        for c in out.outputs:
+            n_new = len(c.token_ids)
+            if n_new:
+                if stream.first_token_time is None:
+                    stream.first_token_time = now
+                    it.time_to_first_tokens.append(now - stream.arrival_time)
+                    it.num_prompt_tokens += len(stream.prompt_token_ids)
+                elif c.index in stream.last_output_time:
+                    it.inter_token_latencies.append(now - stream.last_output_time[c.index])
+                stream.last_output_time[c.index] = now
+                stream.num_generation_tokens += n_new
+                it.num_generation_tokens += n_new
+            if c.finish_reason is not None:
+                stream.finished_indices.add(c.index)
+        if out.finished:
+            ttft = None if stream.first_token_time is None else stream.first_token_time - stream.arrival_time
+            e2e = now - stream.arrival_time
+            per_choice = stream.num_generation_tokens / max(stream.n, 1)
+            tpot = (e2e - ttft) / (per_choice - 1) if ttft is not None and per_choice > 1 else None
+            reason = next((c.finish_reason for c in reversed(out.outputs) if c.finish_reason), "abort")
+            it.finished_requests.append(FinishedRequestStats(
+                reason, e2e, len(stream.prompt_token_ids), stream.num_generation_tokens, ttft, tpot))
+
+    def _publish_stats(self, iteration: IterationStats) -> None:
+        engine = self.engine
+        s = engine.engine_core.scheduler.make_stats()
+        pcs = s.prefix_cache_stats
+        self._prefix_metrics.observe(pcs)
+        self._prefix_queries += pcs.queries
+        self._prefix_hits += pcs.hits
+        self._stats = EngineStats(
+            num_running_reqs=s.num_running_reqs, num_waiting_reqs=s.num_waiting_reqs,
+            num_unfinished_requests=max(len(engine.output_processor.request_states),
+                                        s.num_running_reqs + s.num_waiting_reqs),
+            kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=self._prefix_queries,
+            prefix_cache_hits=self._prefix_hits, prefix_cache_hit_rate=self._prefix_metrics.hit_rate,
+            num_preemptions=s.num_preemptions, num_steps=engine.engine_core.step_count,
+        )
+        for lg in self.stat_loggers:
+            try:
+                lg.record(self._stats, iteration)
+            except Exception:  # noqa: BLE001 — metrics must never kill the engine
+                logger.exception("stat logger %r failed", lg)
+
+    def _fail_all_streams(self, error: BaseException) -> None:
+        with self._streams_lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            if not stream.closed:
+                self._send(stream, error)
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> "AsyncLLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+StatLoggerFactory = Callable[[EngineConfig], StatLogger]

@@ -1,0 +1,116 @@
+"""Sampler unit tests on fake logits (SA-01..SA-12, LP-01)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.sample.metadata import SamplingMetadata
+from jaxserve.sample.sampler import apply_penalties, apply_top_k_top_p_min_p, sample
+
+V = 64
+
+
+def md(r=1, **kw):
+    base = dict(temperature=np.ones(r, np.float32), top_k=np.zeros(r, np.int32), top_p=np.ones(r, np.float32),
+                min_p=np.zeros(r, np.float32), presence_penalty=np.zeros(r, np.float32),
+                frequency_penalty=np.zeros(r, np.float32), repetition_penalty=np.ones(r, np.float32),
+                seeds=np.arange(r, dtype=np.uint32), output_pos=np.zeros(r, np.int32),
+                stop_ids_masked=np.full((r, 4), -1, np.int32), token_history=np.zeros((r, 1), np.int32),
+                prompt_lens=np.zeros(r, np.int32), total_lens=np.zeros(r, np.int32))
+    base.update({k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in kw.items()})
+    return SamplingMetadata(**base)
+
+
+def test_greedy_is_argmax():
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((4, V)), jnp.float32)
+    s, *_ = sample(logits, md(4, temperature=np.zeros(4, np.float32)), greedy_only=True, use_penalties=False,
+                   num_logprobs=0)
+    assert np.array_equal(np.asarray(s), np.argmax(np.asarray(logits), -1))
+
+
+def test_min_tokens_masks_only_stop_ids():  # SA-01
+    logits = jnp.full((1, V), 1e-2).at[0, 5].set(10.0)
+    s, *_ = sample(logits, md(1, temperature=np.zeros(1, np.float32), stop_ids_masked=[[5, 7, -1, -1]]),
+                   greedy_only=True, use_penalties=False, num_logprobs=0)
+    assert int(s[0]) != 5
+
+
+def _hist(prompt, output, width=16):
+    h = np.zeros((1, width), np.int32)
+    toks = prompt + output
+    h[0, : len(toks)] = toks
+    return dict(token_history=h, prompt_lens=[len(prompt)], total_lens=[len(toks)])
+
+
+def test_presence_and_frequency_penalty():  # SA-02, SA-03
+    logits = jnp.full((1, V), 1e-2)
+    out = np.asarray(apply_penalties(logits, md(1, presence_penalty=[2.0], **_hist([9], [3, 3, 4]))))
+    assert out[0, 3] == out[0, 4] == pytest.approx(1e-2 - 2.0)
+    assert out[0, 9] == pytest.approx(1e-2)  # prompt tokens are not presence-penalised
+    out = np.asarray(apply_penalties(logits, md(1, frequency_penalty=[2.0], **_hist([9], [3, 3, 4]))))
+    assert np.argmin(out[0]) == 3 and out[0, 3] == pytest.approx(1e-2 - 4.0)
+    out = np.asarray(apply_penalties(logits, md(1, frequency_penalty=[-2.0], **_hist([9], [3, 3, 4]))))
+    assert np.argmax(out[0]) == 3
+
+
+def test_repetition_penalty_counts_prompt_and_output():  # SA-04
+    logits = jnp.asarray(np.linspace(-1, 1, V)[None], jnp.float32)
+    out = np.asarray(apply_penalties(logits, md(1, repetition_penalty=[1.9], **_hist([2, 60], [61]))))
+    ref = np.asarray(logits)
+    assert out[0, 2] == pytest.approx(ref[0, 2] * 1.9)  # negative logit: multiplied
+    assert out[0, 60] == pytest.approx(ref[0, 60] / 1.9) and out[0, 61] == pytest.approx(ref[0, 61] / 1.9)
+    assert out[0, 30] == pytest.approx(ref[0, 30])
+
+
+def test_min_p():  # SA-05
+    logits = jnp.full((1, V), 0.01).at[0, 7].set(10.0)
+    out = np.asarray(apply_top_k_top_p_min_p(logits, md(1, min_p=[0.1])))
+    assert np.isfinite(out[0, 7]) and np.isneginf(np.delete(out[0], 7)).all()
+    assert np.isfinite(np.asarray(apply_top_k_top_p_min_p(logits, md(1)))).all()
+
+
+def test_top_k_top_p():  # SA-09, SA-10
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((3, V)), jnp.float32)
+    out = np.asarray(apply_top_k_top_p_min_p(logits, md(3, top_k=[1, 5, 0], top_p=[1.0, 1.0, 0.01])))
+    assert np.isfinite(out[0]).sum() == 1 and np.isfinite(out[0, np.argmax(logits[0])])
+    assert np.isfinite(out[1]).sum() == 5
+    assert np.isfinite(out[2]).sum() == 1  # tiny p still keeps the top token
+    both = np.asarray(apply_top_k_top_p_min_p(logits, md(3, top_k=[5, 5, 5], top_p=[0.5, 0.5, 0.5])))
+    top5 = np.isfinite(out[1])
+    assert (np.isfinite(both[1]) <= top5).all()
+
+
+def test_seeded_rows_independent_of_batch():  # SA-12
+    rng = np.random.default_rng(2)
+    row = rng.standard_normal(V).astype(np.float32)
+    alone = jnp.asarray(row[None])
+    batch = jnp.asarray(np.stack([rng.standard_normal(V).astype(np.float32), row, row]))
+    draws_alone, draws_batch = [], []
+    for pos in range(20):
+        s1, *_ = sample(alone, md(1, seeds=[42], output_pos=[pos]), greedy_only=False, use_penalties=False,
+                        num_logprobs=0)
+        s2, *_ = sample(batch, md(3, seeds=[7, 42, 43], output_pos=[0, pos, pos]), greedy_only=False,
+                        use_penalties=False, num_logprobs=0)
+        draws_alone.append(int(s1[0]))
+        draws_batch.append((int(s2[1]), int(s2[2])))
+    assert draws_alone == [a for a, _ in draws_batch]
+    assert [a for a, _ in draws_batch] != [b for _, b in draws_batch]
+
+
+def test_sampling_follows_distribution():
+    logits = jnp.log(jnp.asarray([[0.7, 0.2, 0.1] + [1e-9] * (V - 3)], jnp.float32))
+    f = jax.jit(lambda pos: sample(logits, md(1, seeds=[3], output_pos=pos[None]), greedy_only=False,
+                                   use_penalties=False, num_logprobs=0)[0][0])
+    counts = np.bincount([int(f(jnp.int32(i))) for i in range(2000)], minlength=V)
+    assert counts[0] / 2000 == pytest.approx(0.7, abs=0.05) and counts[1] / 2000 == pytest.approx(0.2, abs=0.04)
+
+
+def test_logprobs_contain_sampled_and_ranks():  # LP-01
+    logits = jnp.asarray(np.random.default_rng(4).standard_normal((2, V)), jnp.float32)
+    s, ids, lps, ranks = sample(logits, md(2, temperature=[0.0, 1.0]), greedy_only=False, use_penalties=False,
+                                num_logprobs=5)
+    lp = np.asarray(jax.nn.log_softmax(logits))
+    ids, lps, ranks = map(np.asarray, (ids, lps, ranks))
+    assert ids.shape == (2, 6) and ids[0, 0] == int(s[0]) and ranks[0] == 1
+    assert np.allclose(lps[1, 1:], np.sort(lp[1])[::-1][:5], atol=1e-6)
+    assert ranks[1] == 1 + (lp[1] > lp[1, int(s[1])]).sum()
