@@ -1,0 +1,30 @@
+"""Machine and commit lines that every benchmark prints with its numbers."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+
+
+def machine_line() -> str:
+    try:
+        import jax
+
+        dev = jax.devices()[0]
+        device = f"{dev.platform}:{getattr(dev, 'device_kind', '')}"
+        jax_version = jax.__version__
+    except Exception:  # noqa: BLE001
+        device, jax_version = "?", "?"
+    return (f"machine: {platform.machine()} {os.cpu_count()} cores, {platform.python_version()}, "
+            f"jax {jax_version}, device {device}")
+
+
+def commit_line() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(__file__)).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
+                               cwd=os.path.dirname(__file__)).stdout.strip()
+        return f"commit: {sha}{' (dirty)' if dirty else ''}"
+    except Exception:  # noqa: BLE001
+        return "commit: ?"
