@@ -124,7 +124,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ setup
     def _shard_params(self, state):
         def place(path, x):
-            spec = param_partition_spec(tuple(str(getattr(p, "key", p)) for p in path), x.ndim)
+            keys = tuple(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
+            spec = param_partition_spec(keys, x.ndim)
             dtype = self.dtype if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 1 and "inv_freq" not in str(path) else x.dtype
             return jax.device_put(x.astype(dtype), NamedSharding(self.mesh, spec))
 
