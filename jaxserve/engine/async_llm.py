@@ -335,17 +335,20 @@ class AsyncLLM:
                 iteration = IterationStats()
                 for cmd in cmds:
                     self._apply(cmd, iteration)
+                by_loop: dict = {}
                 if engine.has_unfinished_requests():
                     steps_before = engine.engine_core.step_count
                     outputs = engine.step_with_states()
-                    self._dispatch(outputs, iteration)
+                    by_loop = self._collect(outputs, iteration)
                     if not outputs and engine.engine_core.step_count == steps_before:
                         # Work exists but nothing could be scheduled: wait for an inbox
                         # change instead of spinning.
                         with self._cond:
                             if not self._inbox and not self._shutdown:
                                 self._cond.wait(0.005)
+                # Stats first, so a caller that has seen its final output also sees it counted.
                 self._publish_stats(iteration)
+                self._deliver(by_loop)
         except BaseException as e:  # noqa: BLE001 — any failure kills the engine
             logger.exception("The engine loop failed; the engine is dead")
             self._dead_error = e
@@ -377,7 +380,8 @@ class AsyncLLM:
         except RuntimeError:  # loop closed
             stream.closed = True
 
-    def _dispatch(self, outputs, iteration: IterationStats) -> None:
+    def _collect(self, outputs, iteration: IterationStats) -> dict:
+        """Account a step's outputs; group them by the event loop that awaits them."""
         now = time.monotonic()
         by_loop: dict = {}
         for st, out in outputs:
@@ -387,6 +391,10 @@ class AsyncLLM:
             self._account(stream, out, now, iteration)
             if not stream.closed:
                 by_loop.setdefault(stream.loop, []).append((stream, out))
+        return by_loop
+
+    def _deliver(self, by_loop: dict) -> None:
+        """One call_soon_threadsafe per event loop and step."""
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)

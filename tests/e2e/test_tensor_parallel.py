@@ -19,7 +19,7 @@ def test_tp2_matches_tp1(tiny_models):
         if tp == 2:
             # KV heads and attention-head columns really are split over the 'model' axis.
             assert runner.kv_cache.sharding.spec[3] == "model"
-            assert tuple(runner.state["layers"]["q_proj"].value.sharding.spec) == (None, None, "model")
+            assert tuple(runner.state["layers"]["q_proj"][...].sharding.spec) == (None, None, "model")
             assert len(runner.kv_cache.sharding.device_set) == 2
         res.append([o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)])
     assert res[0] == res[1]
