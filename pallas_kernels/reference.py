@@ -19,6 +19,8 @@ import jax.numpy as jnp
 # Pages gathered per loop iteration: enough work per iteration to hide the loop
 # overhead on CPU, small enough that a short context does not waste much.
 _PAGES_PER_CHUNK = 8
+# Queries per block in batches with more tokens than requests (see ragged_paged_attention).
+_Q_BLOCK = 16
 
 
 def write_kv_cache(kv_cache, k, v, slot_mapping, *, layer=None):
@@ -84,49 +86,73 @@ def ragged_paged_attention(
     valid_tok = req < num_seqs
     req_c = jnp.minimum(req, r - 1)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    tok_pos = (kv_lens[req_c] - q_lens[req_c] + (jnp.arange(t) - cu_q_lens[req_c])).astype(jnp.int32)
-    tok_kv_len = jnp.where(valid_tok, kv_lens[req_c], 0)
+    offset = jnp.arange(t) - cu_q_lens[req_c]  # index of the token within its request
+    tok_pos = jnp.where(valid_tok, kv_lens[req_c] - q_lens[req_c] + offset, -1).astype(jnp.int32)
+
+    # Query blocks: consecutive tokens of one request share one gather of that
+    # request's pages. Decode-sized batches use blocks of 1 (one token per request
+    # anyway); larger ones blocks of _Q_BLOCK, so a prefill does not gather its
+    # context once per token. At most one partial block per request: nb is static.
+    bq = 1 if t <= r else _Q_BLOCK
+    nb = t if bq == 1 else t // bq + r
+    if bq == 1:
+        tok_idx = jnp.arange(t)[:, None]  # [NB, 1]
+        blk_req = req_c
+    else:
+        row_valid = jnp.arange(r) < num_seqs
+        nblk = jnp.where(row_valid, (q_lens + bq - 1) // bq, 0)
+        blk_start = jnp.cumsum(nblk) - nblk
+        bid = jnp.where(valid_tok, blk_start[req_c] + offset // bq, nb)  # nb: dropped
+        tok_idx = jnp.full((nb, bq), t, jnp.int32).at[bid, offset % bq].set(jnp.arange(t, dtype=jnp.int32),
+                                                                           mode="drop")
+        blk_req = jnp.zeros((nb,), jnp.int32).at[bid].set(req_c, mode="drop")
+    pos_b = jnp.concatenate([tok_pos, jnp.full((1,), -1, jnp.int32)])[tok_idx]  # [NB, Bq]; -1 = no query
+    blk_kv_len = jnp.where(pos_b[:, 0] >= 0, kv_lens[blk_req], 0)
 
     chunk = min(_PAGES_PER_CHUNK, pmax)
     pad = (-pmax) % chunk
-    pages_padded = jnp.pad(page_indices, ((0, 0), (0, pad)))
-    tok_pages = pages_padded[req_c]  # [T, Pmax']
+    blk_pages = jnp.pad(page_indices, ((0, 0), (0, pad)))[blk_req]  # [NB, Pmax']
     chunk_tokens = chunk * page_size
 
-    qf = (q.astype(jnp.float32) * sm_scale).reshape(t, k_heads, groups, h)
+    q_pad = jnp.concatenate([q.astype(jnp.float32) * sm_scale, jnp.zeros((1, n, h), jnp.float32)])
+    qb = q_pad[tok_idx].reshape(nb, bq, k_heads, groups, h)
     max_len = jnp.max(jnp.where(jnp.arange(r) < num_seqs, kv_lens, 0))
     num_chunks = (max_len + chunk_tokens - 1) // chunk_tokens
 
     def body(c, carry):
         m, l, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(tok_pages, c * chunk, chunk, axis=1)  # [T, C]
-        kv = (kv_cache[pages] if layer is None else kv_cache[layer, pages]).astype(jnp.float32)  # [T, C, S, 2K, H]
-        kv = kv.reshape(t, chunk_tokens, k_heads, 2, h)
-        keys, values = kv[..., 0, :], kv[..., 1, :]  # [T, L, K, H]
-        s = jnp.einsum("tkgh,tlkh->tkgl", qf, keys)
+        pages = jax.lax.dynamic_slice_in_dim(blk_pages, c * chunk, chunk, axis=1)  # [NB, C]
+        kv = (kv_cache[pages] if layer is None else kv_cache[layer, pages]).astype(jnp.float32)  # [NB, C, S, 2K, H]
+        kv = kv.reshape(nb, chunk_tokens, k_heads, 2, h)
+        keys, values = kv[..., 0, :], kv[..., 1, :]  # [NB, L, K, H]
+        kpos = c * chunk_tokens + jnp.arange(chunk_tokens)  # [L]
+        in_ctx = kpos[None, :] < blk_kv_len[:, None]  # [NB, L]
+        # Unused page slots may hold anything (NaN included): zero them before any product.
+        keys = jnp.where(in_ctx[:, :, None, None], keys, 0.0)
+        values = jnp.where(in_ctx[:, :, None, None], values, 0.0)
+        s = jnp.einsum("bqkgh,blkh->bkgql", qb, keys)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        kpos = c * chunk_tokens + jnp.arange(chunk_tokens)  # [L]
-        mask = (kpos[None, :] < tok_kv_len[:, None]) & (kpos[None, :] <= tok_pos[:, None])
+        mask = in_ctx[:, None, :] & (kpos[None, None, :] <= pos_b[:, :, None])  # [NB, Bq, L]
         if sliding_window is not None:
-            mask &= kpos[None, :] > tok_pos[:, None] - sliding_window
-        # Unused page slots may hold anything (NaN included): mask values too.
-        values = jnp.where(mask[:, :, None, None], values, 0.0)
-        mask = mask[:, None, None, :]
+            mask &= kpos[None, None, :] > pos_b[:, :, None] - sliding_window
+        mask = mask[:, None, None, :, :]  # [NB, 1, 1, Bq, L]
         s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
         alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
         l_new = alpha * l + jnp.sum(p, axis=-1)
-        acc_new = alpha[..., None] * acc + jnp.einsum("tkgl,tlkh->tkgh", p, values)
+        acc_new = alpha[..., None] * acc + jnp.einsum("bkgql,blkh->bkgqh", p, values)
         return m_new, l_new, acc_new
 
     init = (
-        jnp.full((t, k_heads, groups), -jnp.inf, jnp.float32),
-        jnp.zeros((t, k_heads, groups), jnp.float32),
-        jnp.zeros((t, k_heads, groups, h), jnp.float32),
+        jnp.full((nb, k_heads, groups, bq), -jnp.inf, jnp.float32),
+        jnp.zeros((nb, k_heads, groups, bq), jnp.float32),
+        jnp.zeros((nb, k_heads, groups, bq, h), jnp.float32),
     )
     _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
-    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    out_b = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)  # [NB, K, G, Bq, H]
+    out_b = out_b.transpose(0, 3, 1, 2, 4).reshape(nb * bq, n, h)
+    out = jnp.zeros((t + 1, n, h), jnp.float32).at[tok_idx.reshape(-1)].set(out_b, mode="drop")[:t]
     return out.reshape(t, n, h).astype(q.dtype)
