@@ -1,0 +1,43 @@
+"""JX-02 bucket helpers; KV-11/KV-12 cache sizing."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.runner.bucketing import BucketTable, pad_to_multiple, power_of_two_buckets
+from jaxserve.runner.kv_cache import bytes_per_block, determine_num_blocks
+from models.config import ModelArchConfig
+
+
+def test_pad_to_multiple():
+    assert pad_to_multiple(17, 8) == 24
+    assert pad_to_multiple(17, 8, max_limit=20) == 20
+    assert pad_to_multiple(1, 8, keep_one=True) == 1
+
+
+def test_request_buckets():
+    table = BucketTable(power_of_two_buckets(8, 64))
+    assert [table(n) for n in (1, 4, 8, 9, 17, 33, 64)] == [8, 8, 8, 16, 32, 64, 64]
+    assert table.buckets == (8, 16, 32, 64)
+    assert BucketTable(power_of_two_buckets(8, 100)).buckets[-1] == 100
+    with pytest.raises(ValueError):
+        table(65)
+
+
+def _arch(layers=32, kv_heads=32, head_dim=128):
+    return ModelArchConfig(architecture="LlamaForCausalLM", vocab_size=32000, hidden_size=4096,
+                           intermediate_size=11008, num_hidden_layers=layers, num_attention_heads=32,
+                           num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=1e4,
+                           max_position_embeddings=32768, tie_word_embeddings=False)
+
+
+def test_kv_cache_too_small_reports_max_len():  # KV-12
+    arch = _arch()
+    # 8 GiB of fp16 KV for 32 layers x 32 KV heads x 128 dim holds 16384 tokens (+ the null block).
+    budget = 8 * 2**30 + bytes_per_block(arch, 16, jnp.float16)
+    kw = dict(block_size=16, dtype=jnp.float16, gpu_memory_utilization=0.9, kv_cache_memory=budget,
+              num_gpu_blocks_override=None, device=jax.devices()[0])
+    assert determine_num_blocks(arch, max_model_len=16384, **kw) == 1025
+    with pytest.raises(ValueError, match="16384"):
+        determine_num_blocks(arch, max_model_len=16385, **kw)
+    assert determine_num_blocks(arch, max_model_len=16383, **kw) == 1025
+    assert determine_num_blocks(arch, max_model_len=10**6, **{**kw, "num_gpu_blocks_override": 7}) == 7
