@@ -33,7 +33,7 @@ from models.attention_metadata import AttentionMetadata
 from models.config import ModelArchConfig
 from models.registry import get_model_class
 from models.weights import load_hf_weights
-from pallas_kernels.reference import ragged_paged_attention, write_kv_cache
+from pallas_kernels.reference import write_kv_cache
 
 logger = logging.getLogger("jaxserve")
 
@@ -117,7 +117,6 @@ class ModelRunner:
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req)
         self.requests: dict[str, CachedRequestState] = {}
         self._seed_rng = np.random.default_rng(mc.seed)
-        self.attention_backend = mc.attention_backend
         self._attention_impl = self._select_attention(mc.attention_backend)
         self._build_step_functions()
 
@@ -132,26 +131,19 @@ class ModelRunner:
         return jax.tree_util.tree_map_with_path(place, state)
 
     def _select_attention(self, backend: str):
-        if backend not in ("auto", "reference", "pallas"):
-            raise ValueError(f"attention_backend must be one of auto, reference, pallas; got {backend!r}")
-        if backend == "auto":
-            backend = "reference" if self.platform == "cpu" else "pallas"
-        if backend == "reference":
-            return None  # the stacked-cache reference path below
-        from pallas_kernels.backend import get_attention_fn
+        from pallas_kernels.backend import get_attention_fn, resolve_backend
 
-        return get_attention_fn("pallas", self.platform, interpret=self.platform == "cpu")
+        self.attention_backend, _ = resolve_backend(backend, self.platform)
+        # On CPU the pallas kernels run under the Pallas interpreter (tests, debugging).
+        return get_attention_fn(backend, self.platform, interpret=self.platform == "cpu")
 
     def _attention(self, q, k, v, kv_cache, layer, md: AttentionMetadata):
-        scale = self.arch.head_dim ** -0.5
+        """Write this step's K/V, then attend (per layer, so a request later in the batch
+        sees blocks an earlier one of the same step just filled: prefix dedup, PC-15)."""
         kv_cache = write_kv_cache(kv_cache, k, v, md.slot_mapping, layer=layer)
-        args = (md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs)
-        if self._attention_impl is None:
-            o = ragged_paged_attention(q, kv_cache, *args, sm_scale=scale,
-                                       sliding_window=self.arch.sliding_window, layer=layer)
-        else:
-            o = self._attention_impl(q, kv_cache[layer], *args, sm_scale=scale,
-                                     sliding_window=self.arch.sliding_window)
+        o = self._attention_impl(q, kv_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
+                                 sm_scale=self.arch.head_dim ** -0.5, sliding_window=self.arch.sliding_window,
+                                 layer=layer)
         return o, kv_cache
 
     def _build_step_functions(self) -> None:

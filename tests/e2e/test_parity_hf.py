@@ -108,3 +108,14 @@ def test_logits_close_to_hf(tiny_models):
     sample = out.outputs[0].logprobs[0]
     tok = out.outputs[0].token_ids[0]
     assert sample[tok].logprob == pytest.approx(ref_lp[-1, tok], abs=1e-4) and sample[tok].rank == 1
+
+
+def test_pallas_backend_in_interpret_mode_matches_reference(tiny_models):
+    """The engine end to end with attention_backend="pallas" (TPU kernel, interpreted on CPU)."""
+    path = tiny_models("llama", kv_heads=2)
+    ps = prompts(6, [5, 40, 17]) + [prompts(6, [5])[0] + [7, 8, 9]]
+    kw = dict(max_num_batched_tokens=32)  # chunked prefill + decode mixes
+    ref = run(make_llm(path, attention_backend="reference", **kw), ps)
+    llm = make_llm(path, attention_backend="pallas", **kw)
+    assert llm.llm_engine.engine_core.model_runner.attention_backend == "pallas"
+    assert run(llm, ps) == ref

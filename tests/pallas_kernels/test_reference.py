@@ -1,0 +1,44 @@
+"""The jnp reference (the oracle of every kernel) against a naive float64 loop."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import reference
+from rpa_cases import CASES, case_batch, case_expected, make_batch, naive_attention, reference_attention
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_reference_matches_naive_loop(name):
+    case = CASES[name]
+    b = case_batch(name)
+    expected = naive_attention(b, **case.attn_kwargs)
+    out = case_expected(name)
+    if case.dtype == jnp.bfloat16:
+        np.testing.assert_allclose(out, expected, atol=3e-2, rtol=3e-2)
+    else:
+        np.testing.assert_allclose(out, expected, atol=2e-6, rtol=1e-5)
+    t_valid = sum(q for q, _ in b.seqs)
+    assert np.all(out[t_valid:] == 0.0) and not np.isnan(out).any()
+
+
+def test_reference_ignores_rows_past_num_seqs():
+    b = make_batch([(2, 9), (1, 20)], pad_tokens=5, pad_seqs=3)
+    out = reference_attention(*b.args(), sm_scale=0.1)
+    out2 = reference_attention(
+        b.q, b.kv_cache, b.kv_lens.at[2:].set(1000), b.page_indices.at[2:].set(0), b.cu_q_lens.at[3:].set(1),
+        b.num_seqs, sm_scale=0.1,
+    )
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))
+
+
+def test_write_kv_cache_scatters_interleaved_rows():
+    rng = np.random.default_rng(0)
+    cache = jnp.zeros((4, 8, 6, 16), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((5, 3, 16)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((5, 3, 16)), jnp.float32)
+    slots = jnp.asarray([8, 9, 31, 17, 0], jnp.int32)
+    out = np.asarray(reference.write_kv_cache(cache, k, v, slots))
+    for t, slot in enumerate(np.asarray(slots)):
+        np.testing.assert_array_equal(out[slot // 8, slot % 8, 0::2], np.asarray(k[t]))
+        np.testing.assert_array_equal(out[slot // 8, slot % 8, 1::2], np.asarray(v[t]))
+    assert np.count_nonzero(np.abs(out).sum(axis=(2, 3))) == 5
