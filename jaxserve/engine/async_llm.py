@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Protocol
+from typing import AsyncIterator, Protocol
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import PrefixCachingMetrics
@@ -464,5 +464,3 @@ class AsyncLLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-
-StatLoggerFactory = Callable[[EngineConfig], StatLogger]

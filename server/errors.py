@@ -1,0 +1,49 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}``, where code
+is the integer HTTP status (as vLLM sends it)."""
+from __future__ import annotations
+
+import re
+from http import HTTPStatus
+
+from fastapi.responses import JSONResponse
+
+from server.protocol import ErrorInfo, ErrorResponse
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """Raised by the serving code; the app turns it into the error envelope."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, err_type: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = int(status)
+        self.param = param
+        self.type = err_type or _TYPES.get(self.status) or HTTPStatus(self.status).phrase.replace(" ", "") + "Error"
+
+    def to_response(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status))
+
+    def to_json_response(self) -> JSONResponse:
+        return JSONResponse(self.to_response().model_dump(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(message, 400, param)
+
+
+def guess_param(message: str, fields) -> str | None:
+    """The request field an engine ValueError is about: the first known field name
+    that appears as a word in the message (messages start with the field's name)."""
+    for word in re.findall(r"[A-Za-z_]+", message):
+        if word in fields:
+            return word
+    return None

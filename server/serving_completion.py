@@ -1,0 +1,244 @@
+"""POST /v1/completions: one engine request per prompt; n choices per prompt get
+index prompt_idx * n + choice_idx (vLLM's numbering)."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from jaxserve.engine.async_llm import EngineDeadError
+from server.errors import APIError, bad_request
+from server.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    random_uuid,
+)
+from server.serving_engine import OpenAIServing, clamp_logprob, merge_async_iterators
+
+logger = logging.getLogger("jaxserve.server")
+
+_EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
+
+
+@dataclass
+class _PromptInput:
+    text: str | None
+    token_ids: list[int]
+    params: object
+
+
+@dataclass
+class _ChoiceState:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def error_event(e: BaseException) -> str:
+    if isinstance(e, APIError):
+        err = e
+    elif isinstance(e, EngineDeadError):
+        err = APIError(f"The engine is dead: {e}", 503)
+    else:
+        err = APIError(f"Internal server error: {e!r}", 500)
+    return f"data: {err.to_response().model_dump_json()}\n\n"
+
+
+def engine_error(e: BaseException) -> APIError:
+    if isinstance(e, EngineDeadError):
+        return APIError(f"The engine is dead: {e}", 503)
+    return APIError(f"Internal server error: {e!r}", 500)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    def _prompts(self, prompt) -> list:
+        """str | [str] | [int] | [[int]] -> a list of str / token-id lists."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise bad_request(_EMPTY_PROMPT, "prompt")
+        if isinstance(prompt[0], int):
+            return [list(prompt)]
+        return list(prompt)
+
+    def _prepare(self, request: CompletionRequest) -> list[_PromptInput]:
+        fields = CompletionRequest.model_fields
+        inputs = []
+        for p in self._prompts(request.prompt):
+            text, ids = self.tokenize_prompt(p, add_special_tokens=request.add_special_tokens)
+            if not ids:
+                raise bad_request(_EMPTY_PROMPT, "prompt")
+            max_tokens = request.max_tokens if request.max_tokens is not None else self.max_model_len - len(ids)
+            prompt_logprobs = request.prompt_logprobs
+            if request.echo and request.logprobs is not None:
+                prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
+            params = self.sampling_params(request, max_tokens=max(max_tokens, 1) if request.max_tokens is None
+                                          else max_tokens, logprobs=request.logprobs,
+                                          prompt_logprobs=prompt_logprobs)
+            self.check_length(len(ids), max_tokens, param="max_tokens", prompt_param="prompt")
+            self.validate_inputs(ids, params, fields)
+            if text is None and request.echo:
+                text = self.tokenizer.decode(ids)
+            inputs.append(_PromptInput(text, ids, params))
+        return inputs
+
+    async def create_completion(self, request: CompletionRequest):
+        """A CompletionResponse, or (stream=True) an async iterator of SSE strings."""
+        self.check_model(request.model)
+        self.check_engine()
+        self.check_stream_options(request)
+        self.check_unsupported(request)
+        if request.suffix is not None:
+            raise bad_request("suffix is not currently supported", "suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise bad_request("best_of is not supported; use n.", "best_of")
+        inputs = self._prepare(request)
+        request_id = f"cmpl-{random_uuid()}"
+        created = int(time.time())
+        generators = [
+            self.engine_client.generate(inp.token_ids, inp.params, f"{request_id}-{i}", priority=request.priority,
+                                        cache_salt=request.cache_salt)
+            for i, inp in enumerate(inputs)
+        ]
+        merged = merge_async_iterators(*generators)
+        if request.stream:
+            return self._stream(request, request_id, created, inputs, merged)
+        return await self._full(request, request_id, created, inputs, merged)
+
+    # ------------------------------------------------------------------ logprobs
+    def _logprobs(self, token_ids: list[int], top_logprobs, k: int, initial_text_offset: int) -> CompletionLogProbs:
+        """OpenAI's completion logprobs. top_logprobs[i]: {token_id: Logprob} or None (the
+        first prompt position). Each top_logprobs dict keeps the sampled token plus the
+        top k (k or k + 1 entries)."""
+        out = CompletionLogProbs()
+        decode = self.tokenizer.decode
+        offset = initial_text_offset
+        for i, tid in enumerate(token_ids):
+            step = top_logprobs[i] if top_logprobs is not None and i < len(top_logprobs) else None
+            lp = step.get(tid) if step else None
+            if lp is None:
+                token = decode([tid])
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                token = lp.decoded_token if lp.decoded_token is not None else decode([tid])
+                out.token_logprobs.append(clamp_logprob(lp.logprob))
+                out.top_logprobs.append({
+                    (v.decoded_token if v.decoded_token is not None else decode([t])): clamp_logprob(v.logprob)
+                    for j, (t, v) in enumerate(step.items()) if j <= k})
+            out.tokens.append(token)
+            out.text_offset.append(offset)
+            offset += len(token)
+        return out
+
+    # ------------------------------------------------------------------ responses
+    async def _full(self, request, request_id, created, inputs, merged) -> CompletionResponse:
+        n = request.n
+        states = [[_ChoiceState() for _ in range(n)] for _ in inputs]
+        prompt_logprobs = [None] * len(inputs)
+        cached = [0] * len(inputs)
+        try:
+            async for i, out in merged:
+                for c in out.outputs:
+                    s = states[i][c.index]
+                    s.text.append(c.text)
+                    s.token_ids.extend(c.token_ids)
+                    if c.logprobs is not None:
+                        s.logprobs = (s.logprobs or []) + list(c.logprobs)
+                    if c.finish_reason is not None:
+                        s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[i] = out.prompt_logprobs
+                cached[i] = out.num_cached_tokens
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise engine_error(e) from e
+        finally:
+            await merged.aclose()
+        choices = []
+        num_generated = 0
+        for i, inp in enumerate(inputs):
+            for j, s in enumerate(states[i]):
+                text = "".join(s.text)
+                num_generated += len(s.token_ids)
+                lp = None
+                if request.logprobs is not None:
+                    ids, tops = s.token_ids, s.logprobs
+                    if request.echo:
+                        ids = inp.token_ids + ids
+                        tops = list(prompt_logprobs[i] or [None] * len(inp.token_ids)) + list(tops or [])
+                    lp = self._logprobs(ids, tops, request.logprobs, 0)
+                if request.echo:
+                    text = (inp.text or "") + text
+                choices.append(CompletionResponseChoice(
+                    index=i * n + j, text=text, logprobs=lp, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                    prompt_logprobs=self.prompt_logprobs_json(prompt_logprobs[i])))
+        num_prompt = sum(len(inp.token_ids) for inp in inputs)
+        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                          total_tokens=num_prompt + num_generated, prompt_tokens_details=self.usage_details(sum(cached)))
+        return CompletionResponse(id=request_id, created=created, model=self.served_model_name, choices=choices,
+                                  usage=usage)
+
+    async def _stream(self, request, request_id, created, inputs, merged) -> AsyncIterator[str]:
+        n = request.n
+        num_choices = n * len(inputs)
+        num_tokens = [0] * num_choices
+        text_offset = [0] * num_choices
+        echoed = [False] * num_choices
+        cached = [0] * len(inputs)
+        opts = request.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts.continuous_usage_stats)
+        model = self.served_model_name
+        try:
+            async for i, out in merged:
+                inp = inputs[i]
+                cached[i] = out.num_cached_tokens
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    text, ids, tops = c.text, c.token_ids, c.logprobs
+                    if request.echo and not echoed[idx]:
+                        echoed[idx] = True
+                        text = (inp.text or "") + text
+                        if request.logprobs is not None:
+                            ids = inp.token_ids + list(ids)
+                            tops = list(out.prompt_logprobs or [None] * len(inp.token_ids)) + list(tops or [])
+                    lp = None
+                    if request.logprobs is not None:
+                        lp = self._logprobs(ids, tops, request.logprobs, text_offset[idx])
+                    text_offset[idx] += len(text)
+                    num_tokens[idx] += len(c.token_ids)
+                    chunk = CompletionStreamResponse(
+                        id=request_id, object="text_completion", created=created, model=model,
+                        choices=[CompletionResponseStreamChoice(index=idx, text=text, logprobs=lp,
+                                                                finish_reason=c.finish_reason,
+                                                                stop_reason=c.stop_reason)])
+                    if continuous:
+                        p = len(inp.token_ids)
+                        chunk.usage = UsageInfo(prompt_tokens=p, completion_tokens=num_tokens[idx],
+                                                total_tokens=p + num_tokens[idx])
+                    yield self.sse(chunk)
+            if include_usage:
+                num_prompt = sum(len(inp.token_ids) for inp in inputs)
+                total = sum(num_tokens)
+                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=total, total_tokens=num_prompt + total)
+                details = self.usage_details(sum(cached))
+                if details is not None:
+                    usage.prompt_tokens_details = details
+                yield self.sse(CompletionStreamResponse(id=request_id, object="text_completion", created=created,
+                                                        model=model, choices=[], usage=usage))
+        except Exception as e:  # noqa: BLE001 — the status is already 200: report in the stream
+            logger.warning("completion stream %s failed: %r", request_id, e)
+            yield error_event(e)
+        finally:
+            await merged.aclose()
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,228 @@
+"""OpenAIServing: what the completion, chat and tokenization endpoints share — model
+check, chat rendering, sampling parameters from a request, length checks, merging the
+output streams of several prompts."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, AsyncIterator
+
+from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.sampling_params import SamplingParams
+from server.errors import APIError, bad_request, guess_param
+
+logger = logging.getLogger("jaxserve.server")
+
+# JSON has no -inf: vLLM clamps logprobs to this.
+MIN_LOGPROB = -9999.0
+
+
+def clamp_logprob(x: float) -> float:
+    return max(float(x), MIN_LOGPROB)
+
+
+class OpenAIServing:
+    def __init__(self, engine_client: AsyncLLM, served_model_name: str, *, max_model_len: int,
+                 enable_prompt_tokens_details: bool = False) -> None:
+        self.engine_client = engine_client
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
+
+    @property
+    def tokenizer(self):
+        return self.engine_client.get_tokenizer()
+
+    # ------------------------------------------------------------------ checks
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(f"The model `{model}` does not exist.", 404, "model")
+
+    def check_engine(self) -> None:
+        if self.engine_client.errored:
+            raise APIError("The engine is dead; restart the server.", 503)
+
+    @staticmethod
+    def check_stream_options(request) -> None:
+        if request.stream_options is not None and not request.stream:
+            raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
+
+    @staticmethod
+    def check_unsupported(request) -> None:
+        if request.logit_bias:
+            raise bad_request("logit_bias is not supported by jaxserve.", "logit_bias")
+        rf = request.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind not in (None, "text"):
+                raise bad_request(
+                    f"response_format type {kind!r} is not supported: jaxserve has no structured output.",
+                    "response_format")
+
+    def check_length(self, prompt_len: int, max_tokens: int, *, param: str = "max_tokens",
+                     prompt_param: str = "prompt") -> None:
+        """prompt + max_tokens must fit in max_model_len (OpenAI's rule; HTTP 400)."""
+        m = self.max_model_len
+        if prompt_len >= m:
+            raise bad_request(
+                f"This model's maximum context length is {m} tokens. However, your request has {prompt_len} "
+                f"input tokens. Please reduce the length of the input {prompt_param}.", prompt_param)
+        if max_tokens > m:
+            raise bad_request(
+                f"{param}={max_tokens} cannot be greater than max_model_len={m}. Please request fewer output tokens.",
+                param)
+        if prompt_len + max_tokens > m:
+            raise bad_request(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+                f"length is {m} tokens and your request has {prompt_len} input tokens "
+                f"({max_tokens} > {m} - {prompt_len}).", param)
+
+    # ------------------------------------------------------------------ inputs
+    def validate_inputs(self, prompt_token_ids: list[int], params: SamplingParams, fields) -> None:
+        """The engine's own input checks (vocabulary, logprobs limits), as HTTP 400."""
+        try:
+            self.engine_client.process_inputs(prompt_token_ids, params)
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e), guess_param(str(e), fields)) from e
+
+    def tokenize_prompt(self, prompt, *, add_special_tokens: bool) -> tuple[str | None, list[int]]:
+        try:
+            return self.engine_client.input_processor.tokenize(
+                {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else prompt,
+                add_special_tokens=add_special_tokens)
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e), "prompt") from e
+
+    @staticmethod
+    def message_dicts(messages) -> list[dict[str, Any]]:
+        """Pydantic messages -> template dicts; text parts are joined with newlines."""
+        out = []
+        for i, m in enumerate(messages):
+            d = m.model_dump(exclude_none=True)
+            content = m.content
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    kind = part.get("type")
+                    if kind in ("text", "input_text") and isinstance(part.get("text"), str):
+                        texts.append(part["text"])
+                    elif isinstance(part, dict) and kind is None and isinstance(part.get("text"), str):
+                        texts.append(part["text"])
+                    else:
+                        raise bad_request(f"messages[{i}]: content part of type {kind!r} is not supported "
+                                          "(jaxserve serves text-only models).", "messages")
+                d["content"] = "\n".join(texts)
+            elif content is None:
+                d["content"] = ""
+            out.append(d)
+        return out
+
+    def render_chat(self, request) -> str:
+        """Apply the chat template (HTTP 400 when the template rejects the conversation)."""
+        if not request.messages:
+            raise bad_request("messages must not be empty.", "messages")
+        if request.continue_final_message and request.add_generation_prompt:
+            raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                              "continue_final_message")
+        kwargs = dict(request.chat_template_kwargs or {})
+        tools = getattr(request, "tools", None)
+        if tools:
+            kwargs["tools"] = tools
+        try:
+            text = self.tokenizer.apply_chat_template(
+                self.message_dicts(request.messages), tokenize=False,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                chat_template=request.chat_template, **kwargs)
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 — a jinja error is the client's conversation
+            raise bad_request(f"The chat template could not be applied: {e}", "messages") from e
+        if not isinstance(text, str):  # some tokenizers return a list when batched
+            text = text[0]
+        return text
+
+    # ------------------------------------------------------------------ sampling params
+    def sampling_params(self, request, *, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=request.n,
+                presence_penalty=request.presence_penalty if request.presence_penalty is not None else 0.0,
+                frequency_penalty=request.frequency_penalty if request.frequency_penalty is not None else 0.0,
+                repetition_penalty=request.repetition_penalty if request.repetition_penalty is not None else 1.0,
+                temperature=request.temperature if request.temperature is not None else 1.0,
+                top_p=request.top_p if request.top_p is not None else 1.0,
+                top_k=request.top_k if request.top_k is not None else 0,
+                min_p=request.min_p if request.min_p is not None else 0.0,
+                seed=request.seed,
+                stop=request.stop,
+                stop_token_ids=request.stop_token_ids,
+                ignore_eos=request.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                skip_special_tokens=request.skip_special_tokens,
+                spaces_between_special_tokens=request.spaces_between_special_tokens,
+            )
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e), guess_param(str(e), type(request).model_fields)) from e
+
+    # ------------------------------------------------------------------ outputs
+    def usage_details(self, num_cached_tokens: int):
+        from server.protocol import PromptTokenUsageInfo
+
+        return PromptTokenUsageInfo(cached_tokens=num_cached_tokens) if self.enable_prompt_tokens_details else None
+
+    @staticmethod
+    def prompt_logprobs_json(prompt_logprobs) -> list | None:
+        """[None | {token_id: Logprob}] -> JSON-ready (vLLM's shape)."""
+        if prompt_logprobs is None:
+            return None
+        return [None if d is None else {
+            tid: {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in d.items()} for d in prompt_logprobs]
+
+    @staticmethod
+    def sse(payload) -> str:
+        if hasattr(payload, "model_dump_json"):
+            return f"data: {payload.model_dump_json(exclude_unset=True)}\n\n"
+        return f"data: {json.dumps(payload)}\n\n"
+
+
+async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several async iterators: yields (iterator index, item) as items arrive.
+    Closing the merged iterator cancels and closes every source (aborting its request)."""
+    if len(iterators) == 1:
+        it = iterators[0]
+        try:
+            async for item in it:
+                yield 0, item
+        finally:
+            await it.aclose()
+        return
+    pending: dict[asyncio.Future, int] = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                try:
+                    item = fut.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+                yield i, item
+    finally:
+        for fut in pending:
+            fut.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        for it in iterators:
+            try:
+                await it.aclose()
+            except RuntimeError:  # still running in a cancelled task; its own finally aborts it
+                pass
