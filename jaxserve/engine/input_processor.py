@@ -1,6 +1,8 @@
 """InputProcessor: prompts -> validated token ids; one place for every input check."""
 from __future__ import annotations
 
+import numbers
+
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -18,7 +20,10 @@ class InputProcessor:
         """prompt: str, {"prompt": str} or {"prompt_token_ids": [...]}; returns (text, ids)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                ids = list(prompt["prompt_token_ids"])
+                # numpy integers are fine; anything else is rejected by validate().
+                return prompt.get("prompt"), [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                              else t for t in ids]
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:

@@ -1,7 +1,6 @@
 """LLMEngine: the synchronous engine (InputProcessor -> EngineCore -> OutputProcessor)."""
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 
@@ -37,7 +36,8 @@ class LLMEngine:
             primary_eos=self.eos_token_id)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_seconds = time.perf_counter() - t0
-        self._ids = itertools.count()
+        # caller's request id -> engine request ids (children of n > 1), while unfinished.
+        self._children: dict[str, list[str]] = {}
 
     # --------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt, params: SamplingParams, *, priority: int = 0,
@@ -58,21 +58,28 @@ class LLMEngine:
              resolved.replace(n=1, seed=None if resolved.seed is None else resolved.seed + i))
             for i in range(params.n)
         ]
+        if request_id in self._children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._children[request_id] = [c[0] for c in children]
         for child_id, index, child_params in children:
-            self.output_processor.add_request(child_id, request_id, index, text, ids, resolved, queue=queue)
+            self.output_processor.add_request(child_id, request_id, index, text, ids, resolved, queue=queue,
+                                              arrival_time=arrival_time)
             self.engine_core.add_request(Request(
                 child_id, ids, child_params, None if params.ignore_eos else self.eos_token_id,
                 priority=priority, cache_salt=cache_salt, max_tokens=max_tokens, arrival_time=arrival_time,
             ))
 
     def engine_request_ids(self, request_id: str) -> list[str]:
-        return [s.request_id for s in self.output_processor.request_states.values() if s.external_id == request_id]
+        """The engine-side ids of a caller's request (n > 1 has one child per completion)."""
+        return [c for c in self._children.get(request_id, ()) if c in self.output_processor.request_states]
 
     def abort_request(self, request_ids: str | list[str]) -> list:
         """Abort requests (by the caller's id); returns the final abort outputs."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         engine_ids = [eid for rid in request_ids for eid in self.engine_request_ids(rid)]
+        for rid in request_ids:
+            self._children.pop(rid, None)
         self.engine_core.abort_requests(engine_ids)
         return self.output_processor.abort_requests(engine_ids)
 
@@ -86,6 +93,9 @@ class LLMEngine:
         outputs, reqs_to_abort = self.output_processor.process_outputs(core_outputs)
         if reqs_to_abort:
             self.engine_core.finish_stopped(reqs_to_abort)
+        for _, out in outputs:
+            if out.finished:
+                self._children.pop(out.request_id, None)
         return outputs
 
     def step(self) -> list[RequestOutput]:

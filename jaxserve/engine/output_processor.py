@@ -52,7 +52,8 @@ class OutputProcessor:
         self.parents: dict[str, ParentRequest] = {}
 
     def add_request(self, request_id: str, external_id: str, index: int, prompt: str | None,
-                    prompt_token_ids: list[int], params: SamplingParams, queue=None) -> None:
+                    prompt_token_ids: list[int], params: SamplingParams, queue=None,
+                    arrival_time: float | None = None) -> None:
         parent = None
         if params.n > 1:
             parent = self.parents.setdefault(external_id, ParentRequest(external_id, params.n))
@@ -66,6 +67,8 @@ class OutputProcessor:
             cumulative_logprob=0.0 if params.logprobs is not None else None,
             queue=queue,
         )
+        if arrival_time is not None:
+            state.arrival_time = arrival_time
         self.request_states[request_id] = state
 
     def has_unfinished_requests(self) -> bool:

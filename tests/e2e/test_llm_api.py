@@ -141,3 +141,20 @@ def test_chat_and_text_prompts(llm):
     assert out.prompt_token_ids == tok.encode(templated, add_special_tokens=False)
     txt = llm.generate("w10 w11", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
     assert txt.prompt == "w10 w11" and len(txt.outputs[0].token_ids) <= 2
+
+
+def test_numpy_token_ids_and_request_id_reuse(llm):
+    engine = llm.llm_engine
+    prompt = {"prompt_token_ids": np.arange(5, 15)}
+    engine.add_request("x", prompt, SamplingParams(max_tokens=2, temperature=0))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", prompt, SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("x", prompt, SamplingParams(max_tokens=2, n=2, temperature=1.0))  # reusable once finished
+    assert sorted(engine.engine_request_ids("x")) == ["0_x", "1_x"]
+    outs = engine.abort_request("x")
+    assert [o.outputs[0].finish_reason for _, o in outs] == ["abort", "abort"]
+    assert engine.engine_request_ids("x") == []
+    engine.step()  # tells the runner to drop the aborted requests
+    assert not engine.has_unfinished_requests()
