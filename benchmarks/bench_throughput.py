@@ -31,13 +31,15 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--no-compilation-cache", action="store_true", help="measure a cold warm-up")
     args = ap.parse_args()
 
     from jaxserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+              max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+              compilation_cache=not args.no_compilation_cache)
     startup = time.perf_counter() - t0
     vocab = llm.llm_engine.engine_core.model_runner.vocab_size
     rng = np.random.default_rng(args.seed)

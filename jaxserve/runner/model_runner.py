@@ -9,7 +9,7 @@ Pmax = pages of max_model_len).
 """
 from __future__ import annotations
 
-import functools
+import contextlib
 import logging
 import time
 
@@ -95,7 +95,8 @@ class ModelRunner:
         self.arch = ModelArchConfig.from_pretrained(model_path)
         weights = load_hf_weights(model_path, self.arch, progress=progress)
         model_cls = get_model_class(self.arch.architecture)
-        with jax.default_device(jax.devices("cpu")[0]) if self.platform != "cpu" else _nullcontext():
+        # Build on the host, then place each param with its sharding (no full copy per device).
+        with jax.default_device(jax.devices("cpu")[0]) if self.platform != "cpu" else contextlib.nullcontext():
             model = model_cls(self.arch, weights, dtype=jnp.float32)
         del weights
         self.graphdef, state = nnx.split(model)
@@ -193,7 +194,8 @@ class ModelRunner:
                                                         use_penalties=p))
         jax.block_until_ready(self.kv_cache)
         dt = time.perf_counter() - t0
-        self.num_compiled_programs = 2 * len(self.token_buckets) + len(jobs) - len(self.token_buckets)
+        # Each token bucket compiles the model step and the prompt-logprobs step.
+        self.num_compiled_programs = len(jobs) + len(self.token_buckets)
         logger.info("Warm-up compiled %d programs in %.1f s", self.num_compiled_programs, dt)
         return dt
 
@@ -344,10 +346,3 @@ class ModelRunner:
             prompt_logprobs_dict=prompt_logprobs_dict,
         )
 
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
