@@ -1,9 +1,20 @@
 """Engine configuration: frozen keyword-only dataclasses, validated on construction."""
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from jaxserve.core.sched.request_queue import SchedulingPolicy
+
+logger = logging.getLogger("jaxserve")
+
+# generation_config.json fields that become request defaults, as vLLM's
+# `--generation-config auto` reads them (max_new_tokens is HF's name for max_tokens).
+GENERATION_CONFIG_SAMPLING_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p",
+                                     "max_new_tokens")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +81,41 @@ class ModelConfig:
     served_model_name: str | None = None
     max_logprobs: int = 20
     attention_backend: str = "auto"
+    # "auto": the model folder's generation_config.json supplies sampling defaults;
+    # "vllm": none (vLLM's own defaults); a folder path: that folder's file.
+    generation_config: str = "auto"
+    # Applied on top of the file: e.g. {"temperature": 0.5, "max_new_tokens": 128}.
+    override_generation_config: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        gc = self.generation_config
+        if gc not in ("auto", "vllm") and not Path(gc).expanduser().is_dir():
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {gc!r}")
+        unknown = set(self.override_generation_config or {}) - set(GENERATION_CONFIG_SAMPLING_FIELDS)
+        if unknown:
+            raise ValueError(f"override_generation_config: unknown field(s) {sorted(unknown)}; "
+                             f"allowed: {list(GENERATION_CONFIG_SAMPLING_FIELDS)}")
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """Sampling defaults recommended by the model's creator (vLLM's name).
+
+        Keys are SamplingParams field names (max_new_tokens becomes max_tokens); a
+        request's own values always win. Empty with generation_config="vllm" and no
+        overrides, or when the file has none of the sampling fields.
+        """
+        config: dict[str, Any] = {}
+        if self.generation_config != "vllm":
+            folder = self.model if self.generation_config == "auto" else self.generation_config
+            path = Path(folder).expanduser() / "generation_config.json"
+            if path.is_file():
+                # The raw file, not transformers' GenerationConfig: that one drops values
+                # equal to its own defaults (e.g. an explicit top_k of 50).
+                config = json.loads(path.read_text(encoding="utf-8"))
+        config.update(self.override_generation_config or {})
+        out = {k: config[k] for k in GENERATION_CONFIG_SAMPLING_FIELDS if config.get(k) is not None}
+        if "max_new_tokens" in out:
+            out["max_tokens"] = out.pop("max_new_tokens")
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -49,6 +49,8 @@ def build_engine_config(
     attention_backend: str = "auto",
     scheduling_policy: str = "fcfs",
     served_model_name: str | None = None,
+    generation_config: str = "auto",
+    override_generation_config: dict | None = None,
     enforce_eager: bool = False,
     token_buckets: list[int] | None = None,
     request_buckets: list[int] | None = None,
@@ -66,10 +68,16 @@ def build_engine_config(
     if max_num_batched_tokens is None:
         max_num_batched_tokens = 2048 if enable_chunked_prefill else max_model_len
     name = served_model_name or (model if model is not None else "SmolLM2-135M-Instruct")
+    model_config = ModelConfig(model=path, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
+                               seed=seed, served_model_name=name, max_logprobs=max_logprobs,
+                               attention_backend=attention_backend, generation_config=generation_config,
+                               override_generation_config=override_generation_config)
+    defaults = model_config.get_diff_sampling_param()
+    if defaults:
+        logger.info("Sampling defaults from the model's generation config: %s (a request's own values win; "
+                    "generation_config='vllm' ignores them)", defaults)
     return EngineConfig(
-        model_config=ModelConfig(model=path, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
-                                 seed=seed, served_model_name=name, max_logprobs=max_logprobs,
-                                 attention_backend=attention_backend),
+        model_config=model_config,
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                                  gpu_memory_utilization=gpu_memory_utilization,
                                  num_gpu_blocks_override=num_gpu_blocks_override, kv_cache_memory=kv_cache_memory),
@@ -105,9 +113,14 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation-config defaults applied
+        (what ``generate`` / ``chat`` use when given no sampling_params)."""
+        return SamplingParams(**self.config.model_config.get_diff_sampling_param())
+
     def _params_list(self, n: int, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if len(sampling_params) != n:
@@ -116,8 +129,9 @@ class LLM:
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True,
                  priority: list[int] | None = None) -> list[RequestOutput]:
-        """prompts: a str / {"prompt_token_ids": [...]} dict, or a list of them.
-        Returns one RequestOutput per prompt, in input order."""
+        """prompts: a str / {"prompt_token_ids": [...]} dict, or a list of them;
+        sampling_params: one for all, a list (one per prompt), or None for
+        ``get_default_sampling_params()``. Returns one RequestOutput per prompt, in input order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = self._params_list(len(prompts), sampling_params)

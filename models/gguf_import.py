@@ -25,7 +25,8 @@ __all__ = ["convert_gguf_to_hf", "CONVERTER_VERSION", "MARKER_FILE"]
 
 # Bumped whenever the output of the conversion changes, so cached folders made by an
 # older converter are recognisably stale (see models/default_model.py).
-CONVERTER_VERSION = 1
+# 2: generation_config.json may carry sampling defaults (generation_defaults).
+CONVERTER_VERSION = 2
 
 # Written last inside the folder; its presence means "this folder is a complete conversion".
 MARKER_FILE = "jaxserve_conversion.json"
@@ -283,7 +284,7 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _write_folder(gguf_path: Path, folder: Path, progress: bool) -> None:
+def _write_folder(gguf_path: Path, folder: Path, progress: bool, generation_defaults: dict[str, Any]) -> None:
     import gguf
     from safetensors.numpy import save_file
 
@@ -305,6 +306,7 @@ def _write_folder(gguf_path: Path, folder: Path, progress: bool) -> None:
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     if config["pad_token_id"] is not None:
         generation["pad_token_id"] = config["pad_token_id"]
+    generation.update(generation_defaults)
     _write_json(folder / "generation_config.json", generation)
     _write_json(folder / MARKER_FILE, {
         "converter_version": CONVERTER_VERSION,
@@ -314,13 +316,15 @@ def _write_folder(gguf_path: Path, folder: Path, progress: bool) -> None:
 
 
 def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
-                       progress: bool = True, overwrite: bool = False) -> Path:
+                       progress: bool = True, overwrite: bool = False,
+                       generation_defaults: dict[str, Any] | None = None) -> Path:
     """Convert a llama GGUF file into an HF-style folder at `out_dir` and return its path.
 
     Weights are dequantized to float32. The folder appears atomically: everything is
     written into a temporary sibling which is renamed into place at the end, so a crash
     never leaves a half-written `out_dir`. An existing non-empty `out_dir` is an error
-    unless `overwrite` is set.
+    unless `overwrite` is set. `generation_defaults` (e.g. {"temperature": 0.2}) go into
+    generation_config.json: a GGUF file carries no sampling recommendations of its own.
     """
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir).expanduser().absolute()
@@ -333,7 +337,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     # A sibling (same filesystem) so the final rename is atomic.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        _write_folder(gguf_path, tmp, progress)
+        _write_folder(gguf_path, tmp, progress, generation_defaults or {})
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the result should look like a normal folder
         if out_dir.exists() and any(out_dir.iterdir()):
             if not overwrite:  # someone else filled it while we converted

@@ -6,6 +6,7 @@ import json
 import logging
 import secrets
 import time
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -78,12 +79,18 @@ async def _with_cancellation(coro, request: Request):
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | None = None,
               max_model_len: int | None = None, enable_prompt_tokens_details: bool = False,
-              disable_log_requests: bool = True) -> FastAPI:
+              disable_log_requests: bool = True,
+              default_sampling_params: dict[str, Any] | None = None) -> FastAPI:
     """An OpenAI-compatible app over ``async_llm``. With ``api_key``, every /v1 route
-    needs ``Authorization: Bearer <api_key>`` (HTTP 401 otherwise)."""
+    needs ``Authorization: Bearer <api_key>`` (HTTP 401 otherwise). Sampling fields a
+    request leaves out come from ``default_sampling_params`` (default: the model's
+    generation config, ``ModelConfig.get_diff_sampling_param()``), then OpenAI's defaults."""
     max_model_len = max_model_len or async_llm.max_model_len
+    if default_sampling_params is None:
+        default_sampling_params = async_llm.model_config.get_diff_sampling_param()
     app = FastAPI(title="jaxserve", version=jaxserve.__version__)
-    kwargs = dict(max_model_len=max_model_len, enable_prompt_tokens_details=enable_prompt_tokens_details)
+    kwargs = dict(max_model_len=max_model_len, enable_prompt_tokens_details=enable_prompt_tokens_details,
+                  default_sampling_params=default_sampling_params)
     serving_completion = OpenAIServingCompletion(async_llm, served_model_name, **kwargs)
     serving_chat = OpenAIServingChat(async_llm, served_model_name, **kwargs)
     serving_tokenization = OpenAIServingTokenization(async_llm, served_model_name, **kwargs)

@@ -12,6 +12,7 @@ jaxserve/cli.py wires it in::
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -51,6 +52,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="Attention implementation (auto: pallas on GPU/TPU, reference on CPU).")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="Most logprobs a request may ask for (default: %(default)s).")
+    p.add_argument("--generation-config", default="auto",
+                   help="Where request sampling defaults come from: 'auto' (the model's generation_config.json), "
+                        "'vllm' (none: OpenAI's defaults) or a folder holding a generation_config.json.")
+    p.add_argument("--override-generation-config", type=_json_object, default=None,
+                   help='JSON object applied on top, e.g. \'{"temperature": 0.5, "max_new_tokens": 128}\'.')
     p.add_argument("--enforce-eager", action="store_true", help="Skip the start-up warm-up (compile on demand).")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="Report usage.prompt_tokens_details.cached_tokens.")
@@ -59,6 +65,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=run_serve)
     return p
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def run_serve(args: argparse.Namespace) -> None:
@@ -81,6 +97,7 @@ def run_serve(args: argparse.Namespace) -> None:
         kv_cache_memory=args.kv_cache_memory, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         max_logprobs=args.max_logprobs, attention_backend=args.attention_backend,
         served_model_name=args.served_model_name, enforce_eager=args.enforce_eager,
+        generation_config=args.generation_config, override_generation_config=args.override_generation_config,
     )
     name = args.served_model_name or config.model_config.served_model_name or model or DEFAULT_MODEL_NAME
     async_llm = AsyncLLM(config)

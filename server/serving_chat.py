@@ -43,7 +43,7 @@ class OpenAIServingChat(OpenAIServing):
         if given is None:
             # Default: the rest of the context (vLLM); a prompt that alone fills it is a 400.
             self.check_length(len(ids), 0, param=param, prompt_param="messages")
-            max_tokens = self.max_model_len - len(ids)
+            max_tokens = self.default_max_tokens(len(ids))
         else:
             max_tokens = given
         logprobs = (request.top_logprobs or 0) if request.logprobs else None

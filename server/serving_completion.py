@@ -76,7 +76,7 @@ class OpenAIServingCompletion(OpenAIServing):
             text, ids = self.tokenize_prompt(p, add_special_tokens=request.add_special_tokens)
             if not ids:
                 raise bad_request(_EMPTY_PROMPT, "prompt")
-            max_tokens = request.max_tokens if request.max_tokens is not None else self.max_model_len - len(ids)
+            max_tokens = request.max_tokens if request.max_tokens is not None else self.default_max_tokens(len(ids))
             prompt_logprobs = request.prompt_logprobs
             if request.echo and request.logprobs is not None:
                 prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)

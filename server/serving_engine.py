@@ -24,11 +24,15 @@ def clamp_logprob(x: float) -> float:
 
 class OpenAIServing:
     def __init__(self, engine_client: AsyncLLM, served_model_name: str, *, max_model_len: int,
-                 enable_prompt_tokens_details: bool = False) -> None:
+                 enable_prompt_tokens_details: bool = False,
+                 default_sampling_params: dict[str, Any] | None = None) -> None:
         self.engine_client = engine_client
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
+        # The model's generation-config defaults (ModelConfig.get_diff_sampling_param):
+        # they fill the sampling fields a request leaves out, before OpenAI's defaults.
+        self.default_sampling_params = dict(default_sampling_params or {})
 
     @property
     def tokenizer(self):
@@ -144,18 +148,30 @@ class OpenAIServing:
         return text
 
     # ------------------------------------------------------------------ sampling params
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """max_tokens when the request gives none: the rest of the context (vLLM),
+        capped by the generation config's max_new_tokens."""
+        rest = self.max_model_len - prompt_len
+        cap = self.default_sampling_params.get("max_tokens")
+        return rest if cap is None else min(rest, cap)
+
     def sampling_params(self, request, *, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
+        def field(name: str, openai_default):
+            # The request's value, else the model's generation-config default, else OpenAI's.
+            value = getattr(request, name)
+            return value if value is not None else self.default_sampling_params.get(name, openai_default)
+
         try:
             return SamplingParams(
                 n=request.n,
                 presence_penalty=request.presence_penalty if request.presence_penalty is not None else 0.0,
                 frequency_penalty=request.frequency_penalty if request.frequency_penalty is not None else 0.0,
-                repetition_penalty=request.repetition_penalty if request.repetition_penalty is not None else 1.0,
-                temperature=request.temperature if request.temperature is not None else 1.0,
-                top_p=request.top_p if request.top_p is not None else 1.0,
-                top_k=request.top_k if request.top_k is not None else 0,
-                min_p=request.min_p if request.min_p is not None else 0.0,
+                repetition_penalty=field("repetition_penalty", 1.0),
+                temperature=field("temperature", 1.0),
+                top_p=field("top_p", 1.0),
+                top_k=field("top_k", 0),
+                min_p=field("min_p", 0.0),
                 seed=request.seed,
                 stop=request.stop,
                 stop_token_ids=request.stop_token_ids,

@@ -14,7 +14,10 @@ def llm(tiny_models):
     path = tiny_models("llama", kv_heads=2)
     # Warm-up on: this instance checks that serving compiles nothing.
     return LLM(str(path), max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=4 << 20,
-               compilation_cache=False, progress=False, token_buckets=None)
+               compilation_cache=False, progress=False, token_buckets=None,
+               # Defaults for calls without sampling_params (test_generation_config_defaults);
+               # every other test passes its own.
+               override_generation_config={"temperature": 0.0, "max_new_tokens": 5})
 
 
 def ids(seed, n):
@@ -158,3 +161,15 @@ def test_numpy_token_ids_and_request_id_reuse(llm):
     assert engine.engine_request_ids("x") == []
     engine.step()  # tells the runner to drop the aborted requests
     assert not engine.has_unfinished_requests()
+
+
+def test_generation_config_defaults(llm):
+    """No sampling_params: the model's generation-config defaults (here overridden to
+    greedy, 5 tokens) replace SamplingParams()'s temperature 1 / 16 tokens."""
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens, defaults.top_p) == (0.0, 5, 1.0)
+    prompt = {"prompt_token_ids": ids(7, 12)}
+    plain = llm.generate(prompt, use_tqdm=False)[0].outputs[0]
+    explicit = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0].outputs[0]
+    assert plain.token_ids == explicit.token_ids
+    assert len(plain.token_ids) == 5 and plain.finish_reason == "length"

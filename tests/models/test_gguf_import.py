@@ -75,6 +75,7 @@ def test_config_and_files(converted):
     assert cfg["torch_dtype"] == "float32"
     gen = json.loads((converted / "generation_config.json").read_text())
     assert (gen["bos_token_id"], gen["eos_token_id"]) == (1, 2)
+    assert (gen["temperature"], gen["top_p"]) == (0.2, 0.9)  # the model card's sampling
 
     from safetensors import safe_open
 
@@ -98,7 +99,7 @@ def test_missing_package_message(monkeypatch):
 
 
 def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
-    def crash(gguf_path, folder, progress):
+    def crash(gguf_path, folder, progress, generation_defaults):
         (folder / "config.json").write_text("{}")
         raise RuntimeError("simulated crash")
 

@@ -597,6 +597,30 @@ def test_api_key(server):
         srv.stop()
 
 
+# ----------------------------------------------------------------------------- a third app: generation config
+def test_generation_config_defaults(server):
+    """Fields a request leaves out come from the model's generation config (here greedy,
+    4 tokens), before OpenAI's defaults; the request's own values win."""
+    srv = RunningServer(build_app(server.async_llm, MODEL, max_model_len=MAX_MODEL_LEN,
+                                  default_sampling_params={"temperature": 0.0, "max_tokens": 4}))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], **NO_EOS}
+            plain = c.post("/v1/chat/completions", json=chat).json()
+            greedy = c.post("/v1/chat/completions", json={**chat, "temperature": 0, "max_tokens": 4}).json()
+            assert plain["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
+            assert plain["usage"]["completion_tokens"] == 4 and plain["choices"][0]["finish_reason"] == "length"
+            longer = c.post("/v1/chat/completions", json={**chat, "max_tokens": 6}).json()
+            assert longer["usage"]["completion_tokens"] == 6
+            # Completions keep OpenAI's max_tokens default of 16; temperature comes from the config.
+            comp = {"model": MODEL, "prompt": PROMPT, **NO_EOS}
+            texts = {c.post("/v1/completions", json=comp).json()["choices"][0]["text"] for _ in range(2)}
+            assert len(texts) == 1
+            assert c.post("/v1/completions", json=comp).json()["usage"]["completion_tokens"] == 16
+    finally:
+        srv.stop()
+
+
 # ----------------------------------------------------------------------------- the benchmark client
 def test_bench_serving_client(server):
     import importlib.util

@@ -42,3 +42,14 @@ def test_capital_of_france(default_server):
                                                  stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer
+
+
+def test_model_card_sampling_is_the_default(default_server):
+    """Requests without temperature / top_p sample as the model card recommends
+    (temperature 0.2, top_p 0.9, from the converted generation_config.json)."""
+    client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    texts = [client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, seed=s, **kw)
+             .choices[0].message.content
+             for s in (1, 2) for kw in ({}, {"temperature": 0.2, "top_p": 0.9})]
+    assert texts[0] == texts[1] and texts[2] == texts[3]
