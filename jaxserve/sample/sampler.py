@@ -51,30 +51,37 @@ def fast_argmax(x):
 def apply_top_k_top_p_min_p(logits, md: SamplingMetadata):
     """Mask everything outside each row's kept set with -inf (logits already tempered).
 
-    The kept set is computed over the TOP_K_CANDIDATES most likely tokens
-    (lax.top_k instead of a full-vocabulary sort, which costs ~1 s on [64, 49152]
-    on a CPU): exact whenever top_k <= TOP_K_CANDIDATES and the top-p nucleus fits
-    in them; otherwise the set is cut at the candidates. Rows without any filter
-    keep the whole vocabulary (the caller leaves them untouched)."""
+    Order as vLLM: min-p over the whole vocabulary (p >= min_p * p_max, i.e. logit >=
+    max + log(min_p): exact, O(V)), then top-k, then top-p over what is left,
+    renormalised. top-k / top-p look at the TOP_K_CANDIDATES most likely tokens
+    (lax.top_k instead of a full-vocabulary sort, which costs ~1 s on [64, 49152] on
+    a CPU): exact when top_k is off, >= V or <= TOP_K_CANDIDATES, and the top-p
+    nucleus fits in the candidates; otherwise the kept set is cut at the candidates."""
     v = logits.shape[1]
+    min_p = md.min_p[:, None]
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    logits = jnp.where((min_p <= 0.0) | (logits >= row_max + jnp.log(jnp.maximum(min_p, 1e-38))), logits, _NEG_INF)
+
     kc = min(TOP_K_CANDIDATES, v)
     cand, _ = jax.lax.top_k(logits, kc)  # [R, kc] descending
-    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    probs = jnp.exp(cand - lse)  # true probabilities of the candidates
     rank = jnp.arange(kc)[None, :]
-    keep = jnp.ones_like(cand, dtype=jnp.bool_)
     k = md.top_k[:, None]
-    keep &= (k <= 0) | (rank < k)
-    # top-p over the top-k-filtered distribution (renormalised), as vLLM does:
-    # keep the smallest prefix whose mass reaches p; the top token always stays.
-    kept_probs = jnp.where(keep, probs, 0.0)
-    kept_probs = kept_probs / jnp.sum(kept_probs, axis=-1, keepdims=True)
-    cum_before = jnp.cumsum(kept_probs, axis=-1) - kept_probs
-    keep &= (cum_before < md.top_p[:, None]) | (rank == 0)
-    keep &= probs >= md.min_p[:, None] * probs[:, :1]
+    k_off = (k <= 0) | (k >= v)
+    in_k = k_off | (rank < k)
+    # The distribution top-p sees is what min-p and top-k left, renormalised: its total
+    # runs over the whole (min-p-masked) vocabulary when top-k is off.
+    cand_k = jnp.where(in_k, cand, _NEG_INF)
+    lse = jnp.where(k_off, jax.nn.logsumexp(logits, axis=-1, keepdims=True),
+                    jax.nn.logsumexp(cand_k, axis=-1, keepdims=True))
+    probs = jnp.exp(cand_k - lse)
+    # Smallest prefix whose mass reaches p; the top token always stays.
+    cum_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = in_k & ((cum_before < md.top_p[:, None]) | (rank == 0))
     # The threshold is the smallest kept logit; ties at the threshold are all kept.
     threshold = jnp.min(jnp.where(keep, cand, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits >= threshold, logits, _NEG_INF)
+    # Rows with only min-p keep every survivor, beyond the candidates too.
+    cut = ~k_off | (md.top_p[:, None] < 1.0)
+    return jnp.where(cut & (logits < threshold), _NEG_INF, logits)
 
 
 def compute_logprobs(logits, sampled, num_logprobs: int):
@@ -109,9 +116,11 @@ def sample(logits, md: SamplingMetadata, *, greedy_only: bool, use_penalties: bo
         tempered = jnp.where(filtered[:, None], apply_top_k_top_p_min_p(tempered, md), tempered)
         # Inverse-CDF draw: one uniform number per row (cheaper than Gumbel noise over
         # the vocabulary), from a key that depends only on the request's seed and position.
-        u = jax.vmap(lambda seed, pos: jax.random.uniform(jax.random.fold_in(jax.random.key(seed), pos)))(
+        # u in (0, 1]: with u = 0 the count below would pick token 0 even when it is masked.
+        u = 1.0 - jax.vmap(lambda seed, pos: jax.random.uniform(jax.random.fold_in(jax.random.key(seed), pos)))(
             md.seeds, md.output_pos)
         cdf = jnp.cumsum(jax.nn.softmax(tempered, axis=-1), axis=-1)
+        # The first token whose cdf reaches u * total: it has positive probability.
         random_tokens = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
         random_tokens = jnp.minimum(random_tokens, logits.shape[1] - 1)
         sampled = jnp.where(is_greedy, greedy_tokens, random_tokens)

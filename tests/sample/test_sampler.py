@@ -114,3 +114,54 @@ def test_logprobs_contain_sampled_and_ranks():  # LP-01
     assert ids.shape == (2, 6) and ids[0, 0] == int(s[0]) and ranks[0] == 1
     assert np.allclose(lps[1, 1:], np.sort(lp[1])[::-1][:5], atol=1e-6)
     assert ranks[1] == 1 + (lp[1] > lp[1, int(s[1])]).sum()
+
+
+def _reference_keep(row, k, p, min_p):
+    """vLLM's filter order on one row, with a full sort: min-p, top-k, top-p (renormalised)."""
+    v = row.shape[0]
+    probs = np.exp(row - row.max())
+    probs /= probs.sum()
+    keep = np.ones(v, bool)
+    if min_p > 0:
+        keep &= probs >= min_p * probs.max()
+    if 0 < k < v:
+        keep &= row >= np.sort(np.where(keep, row, -np.inf))[::-1][k - 1]
+    if p < 1:
+        q = np.where(keep, probs, 0.0)
+        q /= q.sum()
+        order = np.argsort(-row, kind="stable")
+        cum_before = np.cumsum(q[order]) - q[order]
+        kept = (cum_before < p) & keep[order]
+        kept[0] = True
+        keep &= row >= row[order][kept].min()
+    return keep
+
+
+@pytest.mark.parametrize("k,p,min_p", [(0, 0.3, 0.0), (0, 0.9, 0.0), (40, 0.5, 0.0), (0, 0.5, 0.02),
+                                       (0, 1.0, 0.02), (4096, 1.0, 0.0), (5000, 0.8, 0.0), (100, 0.7, 0.01)])
+def test_filters_match_full_sort_reference(k, p, min_p):  # SA-05, SA-09, SA-10
+    """V = 4096 > the 1024 candidates: top-p is normalised over the whole vocabulary
+    when top-k is off, top_k >= V means off, min-p applies first over all tokens."""
+    v = 4096
+    logits = 3 * np.random.default_rng(3).standard_normal((1, v)).astype(np.float32)
+    ref = _reference_keep(logits[0].astype(np.float64), k, p, min_p)
+    if p < 1:
+        assert ref.sum() <= 1024  # the nucleus fits in the candidates: the exact case
+    out = np.asarray(apply_top_k_top_p_min_p(jnp.asarray(logits), md(1, top_k=[k], top_p=[p], min_p=[min_p])))
+    assert np.array_equal(np.isfinite(out[0]), ref)
+
+
+def test_flat_distribution_min_p_keeps_more_than_the_candidates():
+    # 2000 distinct logits in [1, 1.5]: p / p_max >= exp(-0.5) > 0.5; the rest at 0: exp(-1.5) < 0.5.
+    logits = jnp.zeros((1, 4096), jnp.float32).at[0, :2000].set(jnp.linspace(1.0, 1.5, 2000))
+    out = np.asarray(apply_top_k_top_p_min_p(logits, md(1, min_p=[0.5])))
+    assert np.isfinite(out[0]).sum() == 2000
+
+
+def test_draw_never_picks_a_masked_token():
+    """Every allowed token but one is masked (top-k 1 on a row whose best token is not 0);
+    many seeds must all draw it, including draws near the ends of [0, 1)."""
+    logits = jnp.asarray(np.linspace(-1, 1, V)[None].repeat(64, 0), jnp.float32)
+    s, *_ = sample(logits, md(64, top_k=np.ones(64, np.int32), seeds=np.arange(64, dtype=np.uint32)),
+                   greedy_only=False, use_penalties=False, num_logprobs=0)
+    assert (np.asarray(s) == V - 1).all()
