@@ -76,6 +76,11 @@ class BlockPool:
         block.reset_hash()
         return True
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop these blocks' hashes now: their contents are not (or no longer) what the hash says."""
+        for block in blocks:
+            self._maybe_evict_cached_block(block)
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cache-hit blocks, pulling free ones out of the free queue."""
         for block in blocks:

@@ -110,8 +110,16 @@ class KVCacheManager:
         return new_blocks
 
     def free(self, request) -> None:
-        """Release the request's blocks, tail first (so the prefix head is evicted last)."""
+        """Release the request's blocks, tail first (so the prefix head is evicted last).
+
+        Blocks past the request's computed tokens lose their hash first. allocate_slots
+        hashes a block when the step that fills it is scheduled; a step undone before it
+        ran (a victim of priority preemption already scheduled in the same step) never
+        wrote it, and a later prefix hit must not read it. In every other case the
+        computed tokens cover all hashed blocks and this drops nothing."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        if self.enable_caching:
+            self.block_pool.uncache_blocks(blocks[request.num_computed_tokens // self.block_size:])
         self.block_pool.free_blocks(reversed(blocks))
         self.num_cached_block.pop(request.request_id, None)
 

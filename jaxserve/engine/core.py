@@ -38,8 +38,9 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens == 0 and not scheduler_output.finished_req_ids:
-            return []
+        if (scheduler_output.total_num_scheduled_tokens == 0 and not scheduler_output.finished_req_ids
+                and not scheduler_output.preempted_req_ids):
+            return []  # nothing for the runner to run or to forget
         runner_output = self.model_runner.execute_model(scheduler_output)
         self.step_count += 1
         return self.scheduler.update_from_output(scheduler_output, runner_output)

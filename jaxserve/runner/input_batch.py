@@ -26,6 +26,9 @@ class CachedRequestState:
     sampling_params: SamplingParams
     seed: int
     output_token_ids: list[int] = field(default_factory=list)
+    # Prompt positions whose logprobs were already returned: a request resumed after
+    # preemption recomputes its prompt, and must not return them twice.
+    num_prompt_logprobs_done: int = 0
 
 
 class InputBatch:

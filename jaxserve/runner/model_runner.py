@@ -241,6 +241,8 @@ class ModelRunner:
             cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids, cached.num_computed_tokens
         ):
             if resumed:
+                # Its old row went with the preemption (preempted_req_ids of an earlier step).
+                assert req_id not in ib.req_id_to_index, f"resumed request {req_id} still holds a row"
                 ib.add_request(self.requests[req_id], num_computed, block_ids)
             else:
                 i = ib.req_id_to_index[req_id]
@@ -306,7 +308,14 @@ class ModelRunner:
         sampled, lp_ids, lps, ranks = self._sample_step(
             self.state, hidden_last, dev[4], num_reqs=r_pad, greedy_only=greedy_only, use_penalties=use_penalties)
 
-        prompt_lp_rows = ib.wants_prompt_logprobs[rows] & (computed < ib.num_prompt_tokens[rows] - 1)
+        # Prompt logprobs: positions p in [start, end) give the entries for tokens p + 1.
+        # start skips what an earlier pass returned (the prompt is recomputed after preemption).
+        prompt_lp_end = np.minimum(computed + n, ib.num_prompt_tokens[rows] - 1)
+        prompt_lp_start = computed.copy()
+        prompt_lp_rows = ib.wants_prompt_logprobs[rows] & (computed < prompt_lp_end)
+        for i in np.flatnonzero(prompt_lp_rows):
+            prompt_lp_start[i] = max(computed[i], self.requests[req_ids[i]].num_prompt_logprobs_done)
+        prompt_lp_rows &= prompt_lp_start < prompt_lp_end
         prompt_lp_dev = None
         if prompt_lp_rows.any():
             # Target of position p is the token at p + 1 (within the prompt).
@@ -331,12 +340,10 @@ class ModelRunner:
         if prompt_lp_dev is not None:
             p_ids, p_lps, p_ranks = jax.device_get(prompt_lp_dev)
             for i in np.flatnonzero(prompt_lp_rows):
-                row = rows[i]
-                start = int(cu[i])
-                # Positions p in [computed, min(computed+n, prompt_len-1)) give entries p+1.
-                count = int(min(computed[i] + n[i], ib.num_prompt_tokens[row] - 1) - computed[i])
-                prompt_logprobs_dict[req_ids[i]] = LogprobsLists(
-                    p_ids[start : start + count], p_lps[start : start + count], p_ranks[start : start + count])
+                start = int(cu[i] + prompt_lp_start[i] - computed[i])
+                stop = int(cu[i] + prompt_lp_end[i] - computed[i])
+                prompt_logprobs_dict[req_ids[i]] = LogprobsLists(p_ids[start:stop], p_lps[start:stop], p_ranks[start:stop])
+                self.requests[req_ids[i]].num_prompt_logprobs_done = int(prompt_lp_end[i])
 
         return ModelRunnerOutput(
             req_ids=req_ids,

@@ -186,6 +186,47 @@ def test_priority_preemption_victim():  # SC-11
     assert so.preempted_req_ids == {"lo"} and hi.status == RequestStatus.RUNNING
 
 
+def test_preempted_request_stopping_on_an_in_flight_token():  # SC-08
+    """Step 1 is scheduled, then step 2 is scheduled before step 1's output is back and
+    preempts request 1; step 1's output then stops request 1 (EOS). It must leave the
+    waiting queue, not crash on the running list."""
+    s = make_scheduler(num_blocks=11)
+    r0 = make_request(0, 80, max_tokens=100)
+    r1 = make_request(1, [2000 + i for i in range(80)], max_tokens=100)
+    s.add_request(r0)
+    s.add_request(r1)
+    so1 = s.schedule()
+    r0.append_output_token_ids([5])  # r0 now needs a 6th block: r1 is preempted
+    so2 = s.schedule()
+    assert so2.preempted_req_ids == {"1"} and r1.status == RequestStatus.PREEMPTED
+    outs = s.update_from_output(so1, ModelRunnerOutput(["0", "1"], {"0": 0, "1": 1}, [[], [EOS]]))
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("1", FinishReason.STOP)]
+    assert r1.status == RequestStatus.FINISHED_STOPPED and r1 not in list(s.waiting) and "1" not in s.requests
+
+
+def test_undone_victim_leaves_no_hash_on_unwritten_blocks():
+    """Priority preemption of a request already scheduled in the same step undoes its
+    step: the blocks that step would have filled (hashed when allocated) were never
+    written, so they must not stay in the prefix cache for the victim's resume."""
+    s = make_scheduler(policy="priority", num_blocks=9, long_prefill_token_threshold=32)
+    lo = make_request("lo", 96, priority=1, arrival_time=0.0, ignore_eos=True)
+    hi = make_request("hi", [7] * 48, priority=0, arrival_time=1.0, ignore_eos=True)
+    s.add_request(lo)
+    run_step(s)  # lo: tokens 0-31 (blocks 1, 2)
+    s.add_request(hi)
+    run_step(s)  # lo: 32-63 (3, 4); hi: 0-31 (5, 6)
+    # lo takes blocks 7 and 8 for 64-95; hi then needs one for 32-47: lo is undone and
+    # freed tail first, so hi reuses 8 and block 7 stays free, hashed but never written.
+    so, _ = run_step(s)
+    assert so.preempted_req_ids == {"lo"} and "lo" not in so.num_scheduled_tokens
+    assert s.kv_cache_manager.get_block_ids("hi") == [5, 6, 8]
+    blocks, hit_tokens = s.kv_cache_manager.get_computed_blocks(lo)
+    assert hit_tokens == 64 and [b.block_id for b in blocks] == [1, 2, 3, 4]
+    assert s.kv_cache_manager.block_pool.blocks[7].block_hash is None
+    drain(s)
+    assert_scheduler_empty(s)
+
+
 def test_no_leak_after_many_requests():  # SC-13
     s = make_scheduler(num_blocks=30, max_num_batched_tokens=64)
     for i in range(12):

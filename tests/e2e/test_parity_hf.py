@@ -110,6 +110,56 @@ def test_logits_close_to_hf(tiny_models):
     assert sample[tok].logprob == pytest.approx(ref_lp[-1, tok], abs=1e-4) and sample[tok].rank == 1
 
 
+def test_prompt_logprobs_returned_once_despite_preemption(tiny_models):
+    """A preempted request recomputes its prompt; its prompt logprobs still come back
+    once per prompt token, with HF's values."""
+    path = tiny_models("llama", kv_heads=2)
+    hf = HFReference(path)
+    ps = prompts(6, [40, 40])
+    # 7 usable blocks of 16 tokens, two requests of 100 tokens: one is preempted.
+    llm = make_llm(path, num_gpu_blocks_override=8, max_num_batched_tokens=256, enable_prefix_caching=False)
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, prompt_logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    for p, out in zip(ps, outs):
+        assert len(out.prompt_logprobs) == len(p) and out.prompt_logprobs[0] is None
+        ref = hf.logits(p)
+        ref_lp = ref - np.logaddexp.reduce(ref, axis=-1, keepdims=True)
+        for i in range(1, len(p)):
+            assert out.prompt_logprobs[i][p[i]].logprob == pytest.approx(ref_lp[i - 1, p[i]], abs=1e-4)
+
+
+def test_priority_preemption_step_with_no_tokens(tiny_models):
+    """Priority policy: the low-priority request A runs first and, once B holds the
+    blocks, preempts itself in a step that schedules nothing. The runner must still
+    see that step (to drop A's row and keep its tokens), or A resumes on wrong inputs."""
+    path = tiny_models("llama", kv_heads=2)
+    hf = HFReference(path)
+    a, b = prompts(7, [40, 28])
+    llm = make_llm(path, scheduling_policy="priority", num_gpu_blocks_override=11)
+    engine, sched = llm.llm_engine, llm.llm_engine.engine_core.scheduler
+    empty_preempting_steps = []
+    schedule = sched.schedule
+
+    def spy():
+        so = schedule()
+        if so.preempted_req_ids and so.total_num_scheduled_tokens == 0:
+            empty_preempting_steps.append(so)
+        return so
+
+    sched.schedule = spy
+    sp = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    engine.add_request("A", {"prompt_token_ids": a}, sp, priority=5)
+    finished = {o.request_id: o for o in engine.step() if o.finished}
+    engine.add_request("B", {"prompt_token_ids": b}, sp, priority=0)
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert empty_preempting_steps, "the scenario must contain a preempt-only step"
+    for rid, p in (("A", a), ("B", b)):
+        ref, margins = hf.greedy(p, 100)
+        assert_greedy_match(finished[rid].outputs[0].token_ids, ref, margins, rid)
+
+
 def test_pallas_backend_in_interpret_mode_matches_reference(tiny_models):
     """The engine end to end with attention_backend="pallas" (TPU kernel, interpreted on CPU)."""
     path = tiny_models("llama", kv_heads=2)

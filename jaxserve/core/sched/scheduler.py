@@ -258,6 +258,9 @@ class Scheduler:
             req_index = model_runner_output.req_id_to_index[req_id]
             new_token_ids = sampled[req_index]
             stopped = False
+            # A request preempted after this step was scheduled (possible once scheduling
+            # runs ahead of outputs) sits in the waiting queue, not in running.
+            was_preempted = request.status == RequestStatus.PREEMPTED
             if new_token_ids:
                 new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
             new_logprobs = None
@@ -265,7 +268,10 @@ class Scheduler:
                 new_logprobs = logprobs.slice(req_index, req_index + len(new_token_ids))
             new_prompt_logprobs = model_runner_output.prompt_logprobs_dict.get(req_id)
             if stopped:
-                self.running.remove(request)
+                if was_preempted:
+                    self.waiting.remove_request(request)
+                else:
+                    self.running.remove(request)
                 self._free_request(request)
             if new_token_ids or new_prompt_logprobs is not None or stopped:
                 outputs.append(
