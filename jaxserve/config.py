@@ -128,3 +128,14 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None
     request_buckets: tuple[int, ...] | None = None
     enforce_eager: bool = False  # skip the start-up warm-up
+
+    def __post_init__(self) -> None:
+        # Checked here, not when a step first needs a missing bucket in the middle of serving.
+        sc = self.scheduler_config
+        if self.token_buckets and max(self.token_buckets) < sc.max_num_batched_tokens:
+            raise ValueError(f"token_buckets: the largest ({max(self.token_buckets)}) must be at least "
+                             f"max_num_batched_tokens ({sc.max_num_batched_tokens})")
+        # The step gathers logits at max_num_seqs rows; a request bucket is a prefix of them.
+        if self.request_buckets and max(self.request_buckets) != sc.max_num_seqs:
+            raise ValueError(f"request_buckets: the largest ({max(self.request_buckets)}) must equal "
+                             f"max_num_seqs ({sc.max_num_seqs})")

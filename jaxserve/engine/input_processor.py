@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numbers
 
+from jaxserve.runner.input_batch import MAX_MASKED_STOP_IDS
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -64,5 +65,10 @@ class InputProcessor:
             if extra:
                 params = params.replace(stop_token_ids=params.stop_token_ids + extra)
         params = params.with_eos(set() if params.ignore_eos else self.eos_token_ids)
+        n_stop = len(params.all_stop_token_ids)
+        if params.min_tokens > 0 and n_stop > MAX_MASKED_STOP_IDS:
+            raise ValueError(
+                f"stop_token_ids: at most {MAX_MASKED_STOP_IDS} stop token ids (EOS included) can be held back "
+                f"while min_tokens applies, got {n_stop}")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
         return params, max(max_tokens, 1)

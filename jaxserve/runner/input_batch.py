@@ -85,7 +85,9 @@ class InputBatch:
         self.repetition_penalty[i] = sp.repetition_penalty
         self.seeds[i] = state.seed
         self.min_tokens[i] = sp.min_tokens
-        stop = sorted(sp.all_stop_token_ids)[:MAX_MASKED_STOP_IDS]
+        # Only needed (and masked) while min_tokens holds them back.
+        stop = sorted(sp.all_stop_token_ids) if sp.min_tokens > 0 else []
+        assert len(stop) <= MAX_MASKED_STOP_IDS  # InputProcessor rejects more when min_tokens > 0
         self.stop_ids[i] = -1
         self.stop_ids[i, : len(stop)] = stop
         self.wants_prompt_logprobs[i] = sp.prompt_logprobs is not None

@@ -102,6 +102,11 @@ def test_stop_token_ids_and_min_tokens(llm):  # OP-05, SC-07, SA-16
     assert out.text.split(" ")[-1] != f"w{stop_tok}"
     held = gen(llm, [ids(3, 9)], temperature=0.0, max_tokens=8, stop_token_ids=[stop_tok], min_tokens=8)[0]
     assert len(held.outputs[0].token_ids) == 8 and stop_tok not in held.outputs[0].token_ids
+    # min_tokens can hold back at most 16 stop ids (EOS included); without it, any number stop.
+    many = list(range(100, 117))
+    with pytest.raises(ValueError, match="stop_token_ids: at most 16 stop token ids"):
+        gen(llm, [ids(3, 9)], stop_token_ids=many, min_tokens=2)
+    assert gen(llm, [ids(3, 9)], temperature=0.0, max_tokens=2, stop_token_ids=many)[0].finished
 
 
 def test_context_length_boundaries(llm):  # CL-01, CL-03, CL-04

@@ -41,3 +41,15 @@ def test_kv_cache_too_small_reports_max_len():  # KV-12
         determine_num_blocks(arch, max_model_len=16385, **kw)
     assert determine_num_blocks(arch, max_model_len=16383, **kw) == 1025
     assert determine_num_blocks(arch, max_model_len=10**6, **{**kw, "num_gpu_blocks_override": 7}) == 7
+
+
+def test_user_buckets_are_checked_at_start_up():
+    from jaxserve.config import EngineConfig, ModelConfig, SchedulerConfig
+
+    sc = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16, max_model_len=256)
+    mc = ModelConfig(model=".")
+    with pytest.raises(ValueError, match=r"token_buckets: the largest \(128\) must be at least max_num_batched_tokens"):
+        EngineConfig(model_config=mc, scheduler_config=sc, token_buckets=(64, 128))
+    with pytest.raises(ValueError, match=r"request_buckets: the largest \(32\) must equal max_num_seqs \(16\)"):
+        EngineConfig(model_config=mc, scheduler_config=sc, request_buckets=(8, 32))
+    EngineConfig(model_config=mc, scheduler_config=sc, token_buckets=(64, 256), request_buckets=(4, 16))
