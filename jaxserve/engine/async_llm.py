@@ -91,7 +91,7 @@ class RequestStream:
     that touches ``queue`` runs on ``loop``."""
 
     __slots__ = ("request_id", "loop", "queue", "closed", "n", "prompt", "prompt_token_ids", "arrival_time",
-                 "first_token_time", "last_output_time", "num_generation_tokens", "finished_indices")
+                 "first_token_time", "last_output_time", "num_generation_tokens")
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, n: int, prompt, prompt_token_ids) -> None:
         self.request_id = request_id
@@ -106,7 +106,6 @@ class RequestStream:
         self.first_token_time: float | None = None
         self.last_output_time: dict[int, float] = {}
         self.num_generation_tokens = 0
-        self.finished_indices: set[int] = set()
 
 
 def _deliver(items: list) -> None:
@@ -223,17 +222,19 @@ class AsyncLLM:
             self.check_health()
         self._post(("add", stream, text, ids, params, priority, cache_salt))
         finished = False
+        seen_finished: set[int] = set()  # choices whose finish the caller has been given
         try:
             while True:
                 item = await stream.queue.get()
                 items = [item]
                 while not stream.queue.empty():
                     items.append(stream.queue.get_nowait())
-                for out in self._merge(items, stream):
+                for out in self._merge(items, stream, seen_finished):
                     if isinstance(out, BaseException):
                         finished = True
                         raise out
                     finished = out.finished
+                    seen_finished.update(c.index for c in out.outputs if c.finish_reason is not None)
                     yield out
                     if finished:
                         return
@@ -244,17 +245,32 @@ class AsyncLLM:
                     del self._streams[request_id]
             if not finished:
                 # Cancelled or closed by the caller (client disconnect): stop the request.
-                self._post(("abort", request_id))
+                # The abort names this stream, so a late close cannot hit a newer request
+                # that reuses the id.
+                self._post(("abort", stream))
 
-    def _merge(self, items: list, stream: RequestStream):
-        """Pending items -> what to yield. An abort or error wins over queued outputs;
-        consecutive DELTA outputs of one choice are merged (a slow reader gets fewer,
-        larger deltas, as in vLLM's RequestOutputCollector)."""
+    @classmethod
+    def _merge(cls, items: list, stream: RequestStream, seen_finished: set[int]):
+        """Pending items -> what to yield. Outputs queued before an abort or an error
+        are kept, then the abort output (every choice not yet finished ends with
+        "abort") or the error ends the stream; consecutive DELTA outputs of one choice
+        are merged (a slow reader gets fewer, larger deltas, as in vLLM's
+        RequestOutputCollector)."""
+        pending: list[RequestOutput] = []
         for item in items:
-            if item is _ABORTED:
-                return [self._abort_output(stream)]
-            if isinstance(item, BaseException):
-                return [item]
+            if item is _ABORTED or isinstance(item, BaseException):
+                outs = cls._coalesce(pending)
+                if item is _ABORTED:
+                    done = set(seen_finished)
+                    for o in outs:
+                        done.update(c.index for c in o.outputs if c.finish_reason is not None)
+                    item = cls._abort_output(stream, done)
+                return outs + [item]
+            pending.append(item)
+        return cls._coalesce(pending)
+
+    @staticmethod
+    def _coalesce(items: list[RequestOutput]) -> list[RequestOutput]:
         merged: list[RequestOutput] = []
         for out in items:
             prev = merged[-1] if merged else None
@@ -274,9 +290,10 @@ class AsyncLLM:
                 merged.append(out)
         return merged
 
-    def _abort_output(self, stream: RequestStream) -> RequestOutput:
-        """Final output of a stream the caller aborted: every open choice ends with "abort"."""
-        open_indices = [i for i in range(stream.n) if i not in stream.finished_indices] or [0]
+    @staticmethod
+    def _abort_output(stream: RequestStream, done: set[int]) -> RequestOutput:
+        """Final output of a stream the caller aborted: every choice not in ``done`` ends with "abort"."""
+        open_indices = [i for i in range(stream.n) if i not in done] or [0]
         return RequestOutput(
             stream.request_id, stream.prompt, stream.prompt_token_ids, None,
             [CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
@@ -302,7 +319,8 @@ class AsyncLLM:
                         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, _ABORTED)
                     except RuntimeError:  # the loop is closed: nobody is listening
                         pass
-            self._post(("abort", rid))
+            if stream is not None:
+                self._post(("abort", stream))
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine loop; pending requests fail with EngineDeadError."""
@@ -366,10 +384,14 @@ class AsyncLLM:
             except (ValueError, TypeError) as e:
                 self._send(stream, e)
         elif kind == "abort":
-            for st, out in self.engine.abort_request(cmd[1]):
-                stream = st.queue
-                if isinstance(stream, RequestStream):
-                    self._account(stream, out, time.monotonic(), iteration)
+            stream = cmd[1]
+            # Only the engine request this stream was added as: the id may since have
+            # been reused by a newer request.
+            ids = self.engine.engine_request_ids(stream.request_id)
+            if not ids or self.engine.output_processor.request_states[ids[0]].queue is not stream:
+                return
+            for _, out in self.engine.abort_request(stream.request_id):
+                self._account(stream, out, time.monotonic(), iteration)
         else:
             raise AssertionError(f"unknown command {kind}")
 
@@ -417,8 +439,6 @@ class AsyncLLM:
                 stream.last_output_time[c.index] = now
                 stream.num_generation_tokens += n_new
                 it.num_generation_tokens += n_new
-            if c.finish_reason is not None:
-                stream.finished_indices.add(c.index)
         if out.finished:
             ttft = None if stream.first_token_time is None else stream.first_token_time - stream.arrival_time
             e2e = now - stream.arrival_time

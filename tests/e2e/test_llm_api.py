@@ -166,6 +166,17 @@ def test_numpy_token_ids_and_request_id_reuse(llm):
     assert engine.engine_request_ids("x") == []
     engine.step()  # tells the runner to drop the aborted requests
     assert not engine.has_unfinished_requests()
+    # A caller id equal to another request's child id ("0_y" for n=2 "y") is rejected
+    # before anything changes; "y" is unharmed.
+    engine.add_request("y", prompt, SamplingParams(max_tokens=2, n=2, temperature=1.0, ignore_eos=True))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("0_y", prompt, SamplingParams(max_tokens=2))
+    done = {}  # streaming kinds report one choice per output (as vLLM)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            assert o.request_id == "y"
+            done.update({c.index: len(c.token_ids) for c in o.outputs if c.finish_reason is not None})
+    assert done == {0: 2, 1: 2}
 
 
 def test_generation_config_defaults(llm):

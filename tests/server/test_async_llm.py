@@ -125,6 +125,48 @@ def test_cancelled_consumer_aborts_and_id_is_reusable(tiny_async_llm):
     assert idle(llm, timeout=5)
 
 
+def test_late_close_of_an_aborted_stream_spares_the_reused_id(tiny_async_llm):
+    """abort("r"), then a new request "r": closing the first generator afterwards must
+    not abort the new one (the abort names the stream, not the id)."""
+    llm = tiny_async_llm
+
+    async def main():
+        old = llm.generate("w9 w10", SamplingParams(max_tokens=200, **GREEDY_NO_EOS), "r")
+        await old.__anext__()
+        llm.abort("r")
+        new = llm.generate("w9 w10", SamplingParams(max_tokens=5, **GREEDY_NO_EOS), "r")
+        outs = [await new.__anext__()]
+        await old.aclose()  # the old stream's clean-up runs after the new request started
+        outs += [o async for o in new]
+        return outs
+
+    outs = asyncio.run(asyncio.wait_for(main(), 30))
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 5
+    assert idle(llm)
+
+
+def test_abort_keeps_outputs_queued_before_it():
+    """Outputs the engine queued before abort() reach the caller, including a choice's
+    finish; only the choices still open end with "abort"."""
+    from jaxserve.engine.async_llm import _ABORTED, RequestStream
+    from jaxserve.outputs import CompletionOutput, RequestOutput
+
+    def out(index, tokens, finish=None):
+        return RequestOutput("x", None, [1], None, [CompletionOutput(index, "t" * len(tokens), tokens, None, None,
+                                                                     finish_reason=finish)], finished=False)
+
+    stream = RequestStream("x", None, 2, None, [1])
+    merged = AsyncLLM._merge([out(0, [5]), out(0, [6], "length"), out(1, [7]), _ABORTED], stream, set())
+    assert [(o.outputs[0].index, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in merged[:-1]] == [
+        (0, [5, 6], "length"), (1, [7], None)]
+    final = merged[-1]
+    assert final.finished and [(c.index, c.finish_reason) for c in final.outputs] == [(1, "abort")]
+    # A choice the caller already saw finish is not aborted again.
+    merged = AsyncLLM._merge([_ABORTED], stream, {1})
+    assert [(c.index, c.finish_reason) for c in merged[0].outputs] == [(0, "abort")]
+
+
 def test_validation_errors_in_callers_context(tiny_async_llm):
     llm = tiny_async_llm
     steps = llm.get_stats().num_steps
