@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import AsyncIterator
 
 from jaxserve.engine.async_llm import EngineDeadError
@@ -80,8 +81,11 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs = request.prompt_logprobs
             if request.echo and request.logprobs is not None:
                 prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
-            params = self.sampling_params(request, max_tokens=max(max_tokens, 1) if request.max_tokens is None
-                                          else max_tokens, logprobs=request.logprobs,
+            # max_tokens=0 with echo (vLLM): return the prompt (and its logprobs) only; the
+            # engine still runs one token, which is dropped (_echo_only).
+            engine_max_tokens = max(max_tokens, 1) if request.max_tokens is None or self._echo_only(request) \
+                else max_tokens
+            params = self.sampling_params(request, max_tokens=engine_max_tokens, logprobs=request.logprobs,
                                           prompt_logprobs=prompt_logprobs)
             self.check_length(len(ids), max_tokens, param="max_tokens", prompt_param="prompt")
             self.validate_inputs(ids, params, fields)
@@ -89,6 +93,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 text = self.tokenizer.decode(ids)
             inputs.append(_PromptInput(text, ids, params))
         return inputs
+
+    @staticmethod
+    def _echo_only(request: CompletionRequest) -> bool:
+        return bool(request.echo) and request.max_tokens == 0
 
     async def create_completion(self, request: CompletionRequest):
         """A CompletionResponse, or (stream=True) an async iterator of SSE strings."""
@@ -118,7 +126,9 @@ class OpenAIServingCompletion(OpenAIServing):
         """OpenAI's completion logprobs. top_logprobs[i]: {token_id: Logprob} or None (the
         first prompt position). Each top_logprobs dict keeps the sampled token plus the
         top k (k or k + 1 entries)."""
-        out = CompletionLogProbs()
+        # Filled as plain lists and passed in at the end: fields left at their defaults
+        # count as unset, and the stream serialises with exclude_unset.
+        out = SimpleNamespace(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
         decode = self.tokenizer.decode
         offset = initial_text_offset
         for i, tid in enumerate(token_ids):
@@ -131,17 +141,19 @@ class OpenAIServingCompletion(OpenAIServing):
             else:
                 token = lp.decoded_token if lp.decoded_token is not None else decode([tid])
                 out.token_logprobs.append(clamp_logprob(lp.logprob))
+                # The top k plus the chosen token (k + 1 entries only when it is not among them).
                 out.top_logprobs.append({
                     (v.decoded_token if v.decoded_token is not None else decode([t])): clamp_logprob(v.logprob)
-                    for j, (t, v) in enumerate(step.items()) if j <= k})
+                    for t, v in step.items() if t == tid or v.rank <= k})
             out.tokens.append(token)
             out.text_offset.append(offset)
             offset += len(token)
-        return out
+        return CompletionLogProbs(**vars(out))
 
     # ------------------------------------------------------------------ responses
     async def _full(self, request, request_id, created, inputs, merged) -> CompletionResponse:
         n = request.n
+        echo_only = self._echo_only(request)
         states = [[_ChoiceState() for _ in range(n)] for _ in inputs]
         prompt_logprobs = [None] * len(inputs)
         cached = [0] * len(inputs)
@@ -149,12 +161,14 @@ class OpenAIServingCompletion(OpenAIServing):
             async for i, out in merged:
                 for c in out.outputs:
                     s = states[i][c.index]
+                    if c.finish_reason is not None:
+                        s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
+                    if echo_only:
+                        continue
                     s.text.append(c.text)
                     s.token_ids.extend(c.token_ids)
                     if c.logprobs is not None:
                         s.logprobs = (s.logprobs or []) + list(c.logprobs)
-                    if c.finish_reason is not None:
-                        s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
                 if out.prompt_logprobs is not None:
                     prompt_logprobs[i] = out.prompt_logprobs
                 cached[i] = out.num_cached_tokens
@@ -190,6 +204,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _stream(self, request, request_id, created, inputs, merged) -> AsyncIterator[str]:
         n = request.n
+        echo_only = self._echo_only(request)
         num_choices = n * len(inputs)
         num_tokens = [0] * num_choices
         text_offset = [0] * num_choices
@@ -205,7 +220,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 cached[i] = out.num_cached_tokens
                 for c in out.outputs:
                     idx = i * n + c.index
-                    text, ids, tops = c.text, c.token_ids, c.logprobs
+                    text, ids, tops = ("", [], None) if echo_only else (c.text, c.token_ids, c.logprobs)
                     if request.echo and not echoed[idx]:
                         echoed[idx] = True
                         text = (inp.text or "") + text
@@ -216,7 +231,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     if request.logprobs is not None:
                         lp = self._logprobs(ids, tops, request.logprobs, text_offset[idx])
                     text_offset[idx] += len(text)
-                    num_tokens[idx] += len(c.token_ids)
+                    num_tokens[idx] += 0 if echo_only else len(c.token_ids)
                     chunk = CompletionStreamResponse(
                         id=request_id, object="text_completion", created=created, model=model,
                         choices=[CompletionResponseStreamChoice(index=idx, text=text, logprobs=lp,

@@ -9,8 +9,13 @@ from jaxserve.sampling_params import SamplingParams
 
 class InputProcessor:
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_logprobs: int,
-                 eos_token_ids: set[int], primary_eos: int | None = None) -> None:
+                 eos_token_ids: set[int], primary_eos: int | None = None,
+                 kv_cache_tokens: int | None = None) -> None:
         self.tokenizer = tokenizer
+        # Tokens the whole KV cache holds. Sized from memory it holds max_model_len; a
+        # small num_gpu_blocks_override may not, and a request that cannot fit even
+        # alone would be preempted and recomputed forever.
+        self.kv_cache_tokens = kv_cache_tokens
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
@@ -71,4 +76,11 @@ class InputProcessor:
                 f"stop_token_ids: at most {MAX_MASKED_STOP_IDS} stop token ids (EOS included) can be held back "
                 f"while min_tokens applies, got {n_stop}")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
-        return params, max(max_tokens, 1)
+        max_tokens = max(max_tokens, 1)
+        needed = min(prompt_len + max_tokens, self.max_model_len)
+        if self.kv_cache_tokens is not None and needed > self.kv_cache_tokens:
+            raise ValueError(
+                f"max_tokens: the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) needs {needed} KV cache "
+                f"slots, but the whole KV cache holds {self.kv_cache_tokens} tokens; lower max_tokens or enlarge "
+                "the cache (num_gpu_blocks_override / kv_cache_memory)")
+        return params, max_tokens

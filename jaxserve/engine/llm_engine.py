@@ -33,7 +33,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, vocab_size=runner.vocab_size, max_model_len=config.scheduler_config.max_model_len,
             max_logprobs=mc.max_logprobs, eos_token_ids=eos,
-            primary_eos=self.eos_token_id)
+            primary_eos=self.eos_token_id,
+            kv_cache_tokens=(runner.num_blocks - 1) * config.cache_config.block_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_seconds = time.perf_counter() - t0
         # caller's request id -> engine request ids (children of n > 1), while unfinished.

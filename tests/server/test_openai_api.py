@@ -270,6 +270,57 @@ def test_echo_with_logprobs(client):
     assert lp.text_offset == sorted(lp.text_offset)
 
 
+def test_streamed_logprobs_equal_full_logprobs(http):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "logprobs": 2, **GREEDY, **NO_EOS}
+    full = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    events = stream_post(http, "/v1/completions", {**body, "stream": True})
+    # (text_offset is left out: the word-level test tokenizer decodes tokens without the
+    # spaces the text has, so per-chunk and whole-text offsets differ, as they would in vLLM.)
+    keys = ("tokens", "token_logprobs", "top_logprobs")
+    streamed = {key: [x for e in events for x in e["choices"][0]["logprobs"][key]] for key in keys}
+    assert len(full["tokens"]) == 5 and streamed == {key: full[key] for key in keys}
+
+
+def test_echo_top_logprobs_are_top_k_plus_chosen(http):
+    """With prompt_logprobs=5 > logprobs=1, each echoed prompt position still lists the
+    top 1 plus the prompt token when that is not the top one, as in vLLM. The prompt
+    ends with the model's own greedy continuation, whose tokens are rank 1."""
+    greedy = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3,
+                                                 **GREEDY, **NO_EOS}).json()["choices"][0]["text"]
+    prompt = PROMPT + greedy
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "echo": True,
+                                           "logprobs": 1, "prompt_logprobs": 5, **GREEDY, **NO_EOS}).json()
+    choice = r["choices"][0]
+    ids = [int(w[1:]) for w in prompt.split()]  # word-level tokenizer: "w{i}" is id i
+    ranks = [choice["prompt_logprobs"][i][str(ids[i])]["rank"] for i in range(1, len(ids))]
+    tops = choice["logprobs"]["top_logprobs"]
+    assert ranks[-3:] == [1, 1, 1]
+    assert tops[0] is None and [len(t) for t in tops[1:len(ids)]] == [1 if rank == 1 else 2 for rank in ranks]
+
+
+def test_echo_without_generation(http):
+    """echo with max_tokens=0 (vLLM's scoring idiom): the prompt and its logprobs only."""
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1, **NO_EOS}
+        if stream:
+            events = stream_post(http, "/v1/completions",
+                                 {**body, "stream": True, "stream_options": {"include_usage": True}})
+            text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+            tokens = [t for e in events if e["choices"] and e["choices"][0]["logprobs"]
+                      for t in e["choices"][0]["logprobs"]["tokens"]]
+            usage = events[-1]["usage"]
+        else:
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            choice, usage = r.json()["choices"][0], r.json()["usage"]
+            text, tokens = choice["text"], choice["logprobs"]["tokens"]
+            assert choice["finish_reason"] == "length"
+        assert text == PROMPT and tokens == PROMPT.split(" ")
+        assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == 4
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
 def test_prompt_logprobs(http):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 1,
                                            "temperature": 0})
