@@ -413,6 +413,14 @@ def test_chat_logprobs(client, http):
     # Greedy: the sampled token is the top one.
     assert all(c.token == c.top_logprobs[0].token and c.logprob == c.top_logprobs[0].logprob for c in content)
     assert [c.token.strip() for c in content] == res.choices[0].message.content.split()
+    # Streamed, the same logprobs, chunk by chunk.
+    events = stream_post(http, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 4,
+                                                        "logprobs": True, "top_logprobs": 5, "stream": True,
+                                                        **NO_EOS, **GREEDY})
+    streamed = [c for e in events if e["choices"] and e["choices"][0].get("logprobs")
+                for c in e["choices"][0]["logprobs"]["content"]]
+    assert [(c["token"], c["logprob"], len(c["top_logprobs"])) for c in streamed] == [
+        (c.token, c.logprob, len(c.top_logprobs)) for c in content]
     for stream in (False, True):
         r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "logprobs": True,
                                                     "top_logprobs": 21, "stream": stream})
