@@ -26,7 +26,7 @@ from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 from jaxserve.runner.bucketing import BucketTable, power_of_two_buckets
 from jaxserve.runner.input_batch import CachedRequestState, InputBatch
-from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks
+from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks, kv_cache_sharding
 from jaxserve.sample.metadata import SamplingMetadata
 from jaxserve.sample.sampler import compute_logprobs, sample
 from models.attention_metadata import AttentionMetadata
@@ -149,6 +149,7 @@ class ModelRunner:
 
     def _build_step_functions(self) -> None:
         graphdef = self.graphdef
+        kv_sharding = kv_cache_sharding(self.mesh)
 
         def model_step(state, kv_cache, input_ids, positions, md, logits_indices):
             model = nnx.merge(graphdef, state)
@@ -166,7 +167,11 @@ class ModelRunner:
             logits = model.compute_logits(hidden)
             return compute_logprobs(logits, targets, self.max_logprobs)
 
-        self._model_step = jax.jit(model_step, donate_argnums=(1,))
+        # The cache leaves with exactly the sharding it came in with. Left to itself, jit
+        # returns an equivalent but differently spelled spec (P() instead of
+        # P(None, None, None, 'model', None)), and the next call of a bucket compiled
+        # with the old spelling lowers it again.
+        self._model_step = jax.jit(model_step, donate_argnums=(1,), out_shardings=(None, None, kv_sharding))
         self._sample_step = jax.jit(sample_step, static_argnames=("num_reqs", "greedy_only", "use_penalties"))
         self._prompt_logprobs_step = jax.jit(prompt_logprobs_step)
 
