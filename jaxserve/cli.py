@@ -24,7 +24,7 @@ def _generate(args) -> int:
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len or 2048,
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
               num_gpu_blocks_override=args.num_gpu_blocks_override, seed=args.seed,

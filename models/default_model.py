@@ -16,7 +16,7 @@ from pathlib import Path
 
 from models.gguf_import import CONVERTER_VERSION, MARKER_FILE, convert_gguf_to_hf
 
-__all__ = ["DEFAULT_MODEL_NAME", "default_gguf_path", "default_model_dir", "cache_root"]
+__all__ = ["DEFAULT_MODEL_NAME", "default_gguf_path", "default_model_dir", "cache_root", "is_current_conversion"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(cache_dir).expanduser()
 
 
-def _is_complete(folder: Path) -> bool:
+def is_current_conversion(folder: Path) -> bool:
     # The converter renames a finished folder into place and writes the marker last,
     # so a marker from the current converter version means the folder is usable.
     try:
@@ -75,7 +75,7 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None, *, progress: b
     seconds and happens once; afterwards this returns at once.
     """
     folder = cache_root(cache_dir) / "models" / DEFAULT_MODEL_NAME
-    if _is_complete(folder):
+    if is_current_conversion(folder):
         return folder
 
     gguf_path = default_gguf_path()
@@ -91,7 +91,7 @@ def default_model_dir(cache_dir: str | os.PathLike | None = None, *, progress: b
                            generation_defaults=MODEL_CARD_SAMPLING)
     except OSError:
         # Another process may have finished the same conversion first and won the rename.
-        if _is_complete(folder):
+        if is_current_conversion(folder):
             return folder
         raise
     logger.info("jaxserve: converted %s in %.1f s", DEFAULT_MODEL_NAME, time.perf_counter() - start)

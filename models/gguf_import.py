@@ -26,7 +26,8 @@ __all__ = ["convert_gguf_to_hf", "CONVERTER_VERSION", "MARKER_FILE"]
 # Bumped whenever the output of the conversion changes, so cached folders made by an
 # older converter are recognisably stale (see models/default_model.py).
 # 2: generation_config.json may carry sampling defaults (generation_defaults).
-CONVERTER_VERSION = 2
+# 3: the tokenizer adds BOS / EOS when the GGUF asks for it.
+CONVERTER_VERSION = 3
 
 # Written last inside the folder; its presence means "this folder is a complete conversion".
 MARKER_FILE = "jaxserve_conversion.json"
@@ -241,7 +242,21 @@ def _build_tokenizer(md: dict[str, Any]):
     tok.pre_tokenizer = _pre_tokenizer(md.get("tokenizer.ggml.pre"))
     tok.decoder = decoders.ByteLevel()
     # trim_offsets=False keeps offsets covering the leading "Ġ" space, like GPT-2's tokenizer.json.
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    post = [processors.ByteLevel(trim_offsets=False)]
+    # llama.cpp adds BOS / EOS when the GGUF says so (Llama 3's <|begin_of_text|>); the
+    # tokenizer must do it itself: tokenizer_config's add_bos_token does not reach a
+    # tokenizer.json-only fast tokenizer.
+    bos_id, eos_id = md.get("tokenizer.ggml.bos_token_id"), md.get("tokenizer.ggml.eos_token_id")
+    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+    add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
+    if add_bos or add_eos:
+        bos = [tokens[int(bos_id)]] if add_bos else []
+        eos = [tokens[int(eos_id)]] if add_eos else []
+        single = " ".join(bos + ["$A"] + eos)
+        pair = " ".join(bos + ["$A"] + eos + [f"{t}:1" for t in bos] + ["$B:1"] + [f"{t}:1" for t in eos])
+        ids = {t: int(i) for t, i in zip(bos + eos, ([bos_id] if add_bos else []) + ([eos_id] if add_eos else []))}
+        post.append(processors.TemplateProcessing(single=single, pair=pair, special_tokens=list(ids.items())))
+    tok.post_processor = post[0] if len(post) == 1 else processors.Sequence(post)
 
     token_types = list(md.get("tokenizer.ggml.token_type", []))
     special = [t for t, ty in zip(tokens, token_types) if ty == _TOKEN_CONTROL]

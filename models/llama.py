@@ -37,6 +37,10 @@ def layer_param_shapes(c: ModelArchConfig) -> dict[str, tuple[int, ...]]:
     }
     if c.attention_bias:
         shapes |= {"q_bias": (L, N * H), "k_bias": (L, K * H), "v_bias": (L, K * H)}
+    if c.o_bias:
+        shapes |= {"o_bias": (L, D)}
+    if c.mlp_bias:
+        shapes |= {"gate_bias": (L, F), "up_bias": (L, F), "down_bias": (L, D)}
     if c.qk_norm:
         shapes |= {"q_norm": (L, H), "k_norm": (L, H)}
     return shapes
@@ -95,10 +99,18 @@ class LlamaForCausalLM(nnx.Module):
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
             o, kv_cache = attention_fn(q, k, v, kv_cache, layer, md)
-            h = h + o.reshape(t, N * H) @ lw["o_proj"]
+            attn = o.reshape(t, N * H) @ lw["o_proj"]
+            if c.o_bias:
+                attn = attn + lw["o_bias"]
+            h = h + attn
             x = rms_norm(h, lw["post_attention_layernorm"], c.rms_norm_eps)
-            h = h + (jax.nn.silu(x @ lw["gate_proj"]) * (x @ lw["up_proj"])) @ lw["down_proj"]
-            return h, kv_cache
+            gate, up = x @ lw["gate_proj"], x @ lw["up_proj"]
+            if c.mlp_bias:
+                gate, up = gate + lw["gate_bias"], up + lw["up_bias"]
+            mlp = (jax.nn.silu(gate) * up) @ lw["down_proj"]
+            if c.mlp_bias:
+                mlp = mlp + lw["down_bias"]
+            return h + mlp, kv_cache
 
         if self.scan_layers:
             def body(carry, xs):

@@ -26,7 +26,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
-    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (default, linear, llama3)")
+    raise ValueError(f"rope_type {rope_type!r} is not supported (default, linear, llama3)")
 
 
 def apply_rope(x, positions, inv_freq):

@@ -21,6 +21,10 @@ _LAYER_MAP = {
     "q_bias": ("self_attn.q_proj.bias", False),
     "k_bias": ("self_attn.k_proj.bias", False),
     "v_bias": ("self_attn.v_proj.bias", False),
+    "o_bias": ("self_attn.o_proj.bias", False),
+    "gate_bias": ("mlp.gate_proj.bias", False),
+    "up_bias": ("mlp.up_proj.bias", False),
+    "down_bias": ("mlp.down_proj.bias", False),
     "q_norm": ("self_attn.q_norm.weight", False),
     "k_norm": ("self_attn.k_norm.weight", False),
     "post_attention_layernorm": ("post_attention_layernorm.weight", False),
@@ -52,17 +56,31 @@ def load_hf_weights(model_dir: str | Path, config: ModelArchConfig, *, progress:
         with safe_open(str(f), framework="np") as fh:
             for name in fh.keys():
                 tensors[name] = fh.get_tensor(name)
+    used = set()
+
+    def take(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"{model_dir}: the checkpoint has no tensor {name!r}, which {config.architecture} needs")
+        used.add(name)
+        return tensors[name].astype(np.float32)
+
     out: dict[str, np.ndarray] = {}
-    out["embed_tokens"] = tensors["model.embed_tokens.weight"].astype(np.float32)
-    out["norm"] = tensors["model.norm.weight"].astype(np.float32)
+    out["embed_tokens"] = take("model.embed_tokens.weight")
+    out["norm"] = take("model.norm.weight")
     if not config.tie_word_embeddings:
-        out["lm_head"] = np.ascontiguousarray(tensors["lm_head.weight"].astype(np.float32).T)
-    shapes = layer_param_shapes(config)
-    for name in shapes:
+        out["lm_head"] = np.ascontiguousarray(take("lm_head.weight").T)
+    for name in layer_param_shapes(config):
         hf_name, transpose = _LAYER_MAP[name]
         per_layer = []
         for i in range(config.num_hidden_layers):
-            w = tensors[f"model.layers.{i}.{hf_name}"].astype(np.float32)
+            w = take(f"model.layers.{i}.{hf_name}")
             per_layer.append(w.T if transpose else w)
         out[name] = np.ascontiguousarray(np.stack(per_layer))
+    # A tensor left over means the checkpoint does math this decoder would skip.
+    # (Saved rotary buffers and a tied lm_head copy are harmless.)
+    unused = sorted(n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq")
+                    and not (n == "lm_head.weight" and config.tie_word_embeddings))
+    if unused:
+        raise ValueError(f"{model_dir}: {len(unused)} checkpoint tensor(s) that {config.architecture} as configured "
+                         f"does not use, e.g. {unused[:3]}; this model variant is not supported")
     return out

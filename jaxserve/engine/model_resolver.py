@@ -17,12 +17,12 @@ def resolve_model_path(model: str | None, *, progress: bool = True) -> str:
             raise ValueError(f"{p} has no config.json: not an HF model folder")
         return str(p)
     if p.suffix == ".gguf" and p.is_file():
-        from models.default_model import cache_root
+        from models.default_model import cache_root, is_current_conversion
         from models.gguf_import import convert_gguf_to_hf
 
         out = cache_root() / "models" / p.stem
-        if not (out / "config.json").exists():
-            convert_gguf_to_hf(p, out, progress=progress)
+        if not is_current_conversion(out):  # missing, or made by an older converter
+            convert_gguf_to_hf(p, out, progress=progress, overwrite=out.exists())
         return str(out)
     try:
         from huggingface_hub import snapshot_download

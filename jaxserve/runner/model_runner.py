@@ -60,6 +60,17 @@ def make_mesh(tensor_parallel_size: int) -> Mesh:
     return Mesh(np.array(devices[:tensor_parallel_size]).reshape(1, tensor_parallel_size), ("data", "model"))
 
 
+def check_tensor_parallel(arch: ModelArchConfig, tp: int) -> None:
+    """Every dimension sharded over 'model' must split evenly (ValueError naming it)."""
+    dims = {"num_attention_heads": arch.num_attention_heads, "num_key_value_heads": arch.num_key_value_heads,
+            "intermediate_size": arch.intermediate_size}
+    if not arch.tie_word_embeddings:
+        dims["vocab_size"] = arch.vocab_size  # lm_head is split by vocabulary
+    for name, value in dims.items():
+        if value % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={value}")
+
+
 def param_partition_spec(path: tuple, ndim: int) -> P:
     """Logical partitioning: attention heads and MLP columns over 'model'."""
     name = str(path[-2] if path and str(path[-1]) == "value" else path[-1])
@@ -69,7 +80,7 @@ def param_partition_spec(path: tuple, ndim: int) -> P:
         return P(None, None, "model")
     if name in row:
         return P(None, "model", None)
-    if name in {"q_bias", "k_bias", "v_bias"}:
+    if name in {"q_bias", "k_bias", "v_bias", "gate_bias", "up_bias"}:
         return P(None, "model")
     if name == "lm_head":
         return P(None, "model")
@@ -93,6 +104,7 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         self.arch = ModelArchConfig.from_pretrained(model_path)
+        check_tensor_parallel(self.arch, config.parallel_config.tensor_parallel_size)
         weights = load_hf_weights(model_path, self.arch, progress=progress)
         model_cls = get_model_class(self.arch.architecture)
         # Build on the host, then place each param with its sharding (no full copy per device).

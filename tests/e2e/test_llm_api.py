@@ -195,3 +195,15 @@ def test_generation_config_defaults(llm):
     explicit = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0].outputs[0]
     assert plain.token_ids == explicit.token_ids
     assert len(plain.token_ids) == 5 and plain.finish_reason == "length"
+
+
+def test_cli_generate_uses_the_models_own_context_limit(tiny_models, capsys):
+    """No --max-model-len: the model's max_position_embeddings (512 here), not a fixed 2048."""
+    from jaxserve.cli import main
+
+    path = tiny_models("llama", kv_heads=2)
+    rc = main(["generate", str(path), "--prompt", "w5 w6 w7", "--raw", "--max-tokens", "3",
+               "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--kv-cache-memory", str(4 << 20)])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert len(out.out.split()) == 3

@@ -32,6 +32,8 @@ ARCHS = [
     ("llama3", dict(kv_heads=2)),  # llama3 rope scaling
     ("qwen2", dict(kv_heads=2)),  # qkv bias
     ("qwen3", dict(kv_heads=2, tie=True)),  # q/k norm
+    ("llama", dict(kv_heads=2, attention_bias=True, mlp_bias=True)),  # q/k/v/o and MLP biases
+    ("qwen3", dict(kv_heads=2, attention_bias=True)),  # q/k/v/o biases with q/k norm
 ]
 
 

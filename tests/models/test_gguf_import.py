@@ -179,3 +179,15 @@ def test_weights_match_transformers_gguf(converted, our_tokenizer, torch_threads
         their_tokens = theirs.generate(**prompt, max_new_tokens=12, do_sample=False)[0, n:].tolist()
     assert our_tokens == their_tokens
     assert our_tokenizer.decode(our_tokens).startswith("The capital of France is Paris.")
+
+
+@pytest.mark.parametrize("add_bos,add_eos", [(False, False), (True, False), (True, True)])
+def test_tokenizer_adds_bos_eos_when_the_gguf_says_so(add_bos, add_eos):
+    """llama.cpp prepends BOS for GGUFs with add_bos_token (Llama 3); so must we."""
+    md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["<s>", "</s>", "a", "b", "ab"],
+          "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.token_type": [3, 3, 1, 1, 1],
+          "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1,
+          "tokenizer.ggml.add_bos_token": add_bos, "tokenizer.ggml.add_eos_token": add_eos}
+    tok = gguf_import._build_tokenizer(md)
+    assert tok.encode("ab").ids == [0] * add_bos + [4] + [1] * add_eos
+    assert tok.encode("ab", add_special_tokens=False).ids == [4]

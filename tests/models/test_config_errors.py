@@ -1,0 +1,61 @@
+"""Unsupported model variants fail with one clear error, before any weights load."""
+import json
+
+import pytest
+
+from models.config import ModelArchConfig
+
+BASE = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def cfg(**kw):
+    return ModelArchConfig.from_hf_dict({**BASE, **kw})
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(architectures=["Phi3ForCausalLM"]), "Model architecture 'Phi3ForCausalLM' is not supported"),
+    (dict(architectures=["GPT2LMHeadModel"], num_attention_heads=None), "'GPT2LMHeadModel' is not supported"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=4),
+     "use_sliding_window=true"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type 'yarn' is not supported"),
+])
+def test_unsupported_variants(kw, message):
+    with pytest.raises(ValueError, match=message):
+        cfg(**kw)
+
+
+def test_bias_flags_follow_hf():
+    assert (cfg().attention_bias, cfg().o_bias, cfg().mlp_bias) == (False, False, False)
+    llama = cfg(attention_bias=True, mlp_bias=True)
+    assert (llama.attention_bias, llama.o_bias, llama.mlp_bias) == (True, True, True)
+    qwen2 = cfg(architectures=["Qwen2ForCausalLM"])  # q/k/v biases always, never o_proj
+    assert (qwen2.attention_bias, qwen2.o_bias) == (True, False)
+    mistral = cfg(architectures=["MistralForCausalLM"], sliding_window=4096)
+    assert mistral.sliding_window == 4096
+
+
+def test_tensor_parallel_sizes_must_divide():
+    from jaxserve.runner.model_runner import check_tensor_parallel
+
+    check_tensor_parallel(cfg(), 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide num_key_value_heads=2"):
+        check_tensor_parallel(cfg(), 4)
+    with pytest.raises(ValueError, match="does not divide vocab_size=129"):
+        check_tensor_parallel(cfg(vocab_size=129), 2)
+    check_tensor_parallel(cfg(vocab_size=129, tie_word_embeddings=True), 2)  # tied: embeddings replicated
+
+
+def test_checkpoint_tensors_the_config_would_ignore(tmp_path):
+    """A checkpoint with MLP biases whose config.json says mlp_bias=false is refused."""
+    from hf_factory import make_tiny_hf_model
+
+    from models.weights import load_hf_weights
+
+    path = make_tiny_hf_model(tmp_path / "m", "llama", mlp_bias=True)
+    config = json.loads((path / "config.json").read_text())
+    config["mlp_bias"] = False
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"6 checkpoint tensor\(s\) that LlamaForCausalLM as configured does not use"):
+        load_hf_weights(path, ModelArchConfig.from_pretrained(path), progress=False)
