@@ -186,14 +186,35 @@ class ModelRunner:
         self._model_step = jax.jit(model_step, donate_argnums=(1,), out_shardings=(None, None, kv_sharding))
         self._sample_step = jax.jit(sample_step, static_argnames=("num_reqs", "greedy_only", "use_penalties"))
         self._prompt_logprobs_step = jax.jit(prompt_logprobs_step)
+        # Executables compiled ahead of time by warmup(), by program key; the jitted
+        # functions above serve any key not in here (enforce_eager).
+        self._executables: dict[tuple, jax.stages.Compiled] = {}
+
+    def _run_model_step(self, t: int, *args):
+        exe = self._executables.get(("model", t))
+        return exe(*args) if exe is not None else self._model_step(*args)
+
+    def _run_sample_step(self, state, hidden_last, smd, *, num_reqs: int, greedy_only: bool, use_penalties: bool):
+        exe = self._executables.get(("sample", num_reqs, greedy_only, use_penalties))
+        if exe is not None:
+            return exe(state, hidden_last, smd)
+        return self._sample_step(state, hidden_last, smd, num_reqs=num_reqs, greedy_only=greedy_only,
+                                 use_penalties=use_penalties)
+
+    def _run_prompt_logprobs_step(self, t: int, *args):
+        exe = self._executables.get(("prompt_logprobs", t))
+        return exe(*args) if exe is not None else self._prompt_logprobs_step(*args)
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self) -> float:
-        """Compile every program the step can use; returns seconds spent.
+        """Compile every program the step can use, ahead of time; returns seconds spent.
 
-        Inputs come from the same places as in execute_model (numpy through
-        device_put, hidden states from the model step) so that shapes, dtypes and
-        shardings match exactly and serving hits the compiled programs."""
+        Programs are lowered and compiled without running them (running the big
+        prefill buckets on dummy inputs cost more than compiling them on a CPU, and
+        nothing with the persistent compilation cache). Inputs come from the same
+        places as in execute_model (numpy through device_put, the model step's own
+        output types for the hidden states), so shapes, dtypes and shardings match
+        what serving passes to the executables."""
         t0 = time.perf_counter()
         jobs = [("model", t) for t in self.token_buckets]
         jobs += [("sample", r, g, p) for r in self.request_buckets for g in (True, False) for p in (False, True)]
@@ -201,18 +222,18 @@ class ModelRunner:
         for job in tqdm(jobs, desc="Warm-up (compiling buckets)", disable=not self.progress):
             if job[0] == "model":
                 t = job[1]
-                hidden, last, self.kv_cache = self._model_step(self.state, self.kv_cache, *self._dummy_model_inputs(t))
-                jax.block_until_ready(self._prompt_logprobs_step(
-                    self.state, hidden, jax.device_put(np.zeros(t, np.int32))))
+                exe = self._model_step.lower(self.state, self.kv_cache, *self._dummy_model_inputs(t)).compile()
+                self._executables[job] = exe
+                hidden, last, _ = exe.out_info
+                self._executables[("prompt_logprobs", t)] = self._prompt_logprobs_step.lower(
+                    self.state, hidden, jax.device_put(np.zeros(t, np.int32))).compile()
             else:
                 _, r, g, p = job
-                smd = self._dummy_sampling_metadata(r, p)
-                jax.block_until_ready(self._sample_step(self.state, last, smd, num_reqs=r, greedy_only=g,
-                                                        use_penalties=p))
-        jax.block_until_ready(self.kv_cache)
+                self._executables[job] = self._sample_step.lower(
+                    self.state, last, self._dummy_sampling_metadata(r, p), num_reqs=r, greedy_only=g,
+                    use_penalties=p).compile()
         dt = time.perf_counter() - t0
-        # Each token bucket compiles the model step and the prompt-logprobs step.
-        self.num_compiled_programs = len(jobs) + len(self.token_buckets)
+        self.num_compiled_programs = len(self._executables)
         logger.info("Warm-up compiled %d programs in %.1f s", self.num_compiled_programs, dt)
         return dt
 
@@ -321,8 +342,8 @@ class ModelRunner:
             prompt_lens=ib.num_prompt_tokens[prow], total_lens=total_lens.astype(np.int32),
         )
         dev = jax.device_put((input_ids, positions, md, logits_indices, smd))
-        hidden, hidden_last, self.kv_cache = self._model_step(self.state, self.kv_cache, *dev[:4])
-        sampled, lp_ids, lps, ranks = self._sample_step(
+        hidden, hidden_last, self.kv_cache = self._run_model_step(t_pad, self.state, self.kv_cache, *dev[:4])
+        sampled, lp_ids, lps, ranks = self._run_sample_step(
             self.state, hidden_last, dev[4], num_reqs=r_pad, greedy_only=greedy_only, use_penalties=use_penalties)
 
         # Prompt logprobs: positions p in [start, end) give the entries for tokens p + 1.
@@ -339,7 +360,7 @@ class ModelRunner:
             targets = np.zeros(t_pad, np.int32)
             nxt = np.minimum(pos + 1, ib.token_ids.shape[1] - 1)
             targets[:total] = ib.token_ids[tok_rows, nxt]
-            prompt_lp_dev = self._prompt_logprobs_step(self.state, hidden, jax.device_put(targets))
+            prompt_lp_dev = self._run_prompt_logprobs_step(t_pad, self.state, hidden, jax.device_put(targets))
 
         sampled, lp_ids, lps, ranks = jax.device_get((sampled, lp_ids, lps, ranks))
         sampled = sampled[:num_reqs]
