@@ -24,7 +24,9 @@ def _generate(args) -> int:
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+    # One short answer: a 2048-token default keeps the KV cache of a 7-8B model in f32
+    # within the CPU's default 1 GiB (--max-model-len raises it, up to the model's limit).
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, default_max_model_len=2048,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
               num_gpu_blocks_override=args.num_gpu_blocks_override, seed=args.seed,

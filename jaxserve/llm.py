@@ -55,14 +55,17 @@ def build_engine_config(
     token_buckets: list[int] | None = None,
     request_buckets: list[int] | None = None,
     progress: bool = True,
+    default_max_model_len: int = 8192,
 ) -> EngineConfig:
+    """vLLM's engine arguments -> EngineConfig. Without max_model_len: the model's own
+    limit, at most ``default_max_model_len``."""
     from models.config import ModelArchConfig
 
     path = resolve_model_path(model, progress=progress)
     arch = ModelArchConfig.from_pretrained(path)
     model_limit = arch.max_position_embeddings
     if max_model_len is None:
-        max_model_len = min(model_limit, 8192)
+        max_model_len = min(model_limit, default_max_model_len)
     elif max_model_len > model_limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {model_limit} positions")
     if max_num_batched_tokens is None:

@@ -77,7 +77,8 @@ class InputProcessor:
                 f"while min_tokens applies, got {n_stop}")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
         max_tokens = max(max_tokens, 1)
-        needed = min(prompt_len + max_tokens, self.max_model_len)
+        # The last sampled token is returned, never written to the cache.
+        needed = min(prompt_len + max_tokens - 1, self.max_model_len)
         if self.kv_cache_tokens is not None and needed > self.kv_cache_tokens:
             raise ValueError(
                 f"max_tokens: the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) needs {needed} KV cache "

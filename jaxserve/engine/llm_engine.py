@@ -61,8 +61,8 @@ class LLMEngine:
         ]
         # Checked before anything changes. Child ids ("0_x") share the engine's id space
         # with caller ids, so a caller's "0_x" must not clash with request "x"'s first child.
-        in_use = self.output_processor.request_states.keys() | self.engine_core.scheduler.requests.keys()
-        if request_id in self._children or any(c[0] in in_use for c in children):
+        states, running = self.output_processor.request_states, self.engine_core.scheduler.requests
+        if request_id in self._children or any(c[0] in states or c[0] in running for c in children):
             raise ValueError(f"request id {request_id!r} is already in use")
         self._children[request_id] = [c[0] for c in children]
         for child_id, index, child_params in children:

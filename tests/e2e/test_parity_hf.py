@@ -130,8 +130,11 @@ def test_prompt_logprobs_returned_once_despite_preemption(tiny_models):
         for i in range(1, len(p)):
             assert out.prompt_logprobs[i][p[i]].logprob == pytest.approx(ref_lp[i - 1, p[i]], abs=1e-4)
     # A request that could not fit even alone would be preempted and recomputed forever.
-    with pytest.raises(ValueError, match=r"needs 121 KV cache slots, but the whole KV cache holds 112 tokens"):
-        llm.generate({"prompt_token_ids": ps[0]}, SamplingParams(max_tokens=81), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"needs 113 KV cache slots, but the whole KV cache holds 112 tokens"):
+        llm.generate({"prompt_token_ids": ps[0]}, SamplingParams(max_tokens=74), use_tqdm=False)
+    # 40 + 73 tokens fit: the last sampled token is never written to the cache.
+    out = llm.generate({"prompt_token_ids": ps[0]}, SamplingParams(max_tokens=73, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 73
 
 
 def test_priority_preemption_step_with_no_tokens(tiny_models):

@@ -158,10 +158,11 @@ def test_flat_distribution_min_p_keeps_more_than_the_candidates():
     assert np.isfinite(out[0]).sum() == 2000
 
 
-def test_draw_never_picks_a_masked_token():
-    """Every allowed token but one is masked (top-k 1 on a row whose best token is not 0);
-    many seeds must all draw it, including draws near the ends of [0, 1)."""
-    logits = jnp.asarray(np.linspace(-1, 1, V)[None].repeat(64, 0), jnp.float32)
-    s, *_ = sample(logits, md(64, top_k=np.ones(64, np.int32), seeds=np.arange(64, dtype=np.uint32)),
-                   greedy_only=False, use_penalties=False, num_logprobs=0)
+@pytest.mark.parametrize("u", [0.0, 0.5, 1.0 - 2.0**-24])
+def test_draw_never_picks_a_masked_token(monkeypatch, u):
+    """Every token but the best (V - 1) is masked by top-k 1; draws at both ends of
+    [0, 1), where an off-by-one in the inverse CDF would pick token 0, must pick it."""
+    monkeypatch.setattr(jax.random, "uniform", lambda key, *a, **k: jnp.float32(u))
+    logits = jnp.asarray(np.linspace(-1, 1, V)[None].repeat(4, 0), jnp.float32)
+    s, *_ = sample(logits, md(4, top_k=np.ones(4, np.int32)), greedy_only=False, use_penalties=False, num_logprobs=0)
     assert (np.asarray(s) == V - 1).all()
