@@ -25,7 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import commit_line, machine_line  # noqa: E402
 from pallas_kernels import backend  # noqa: E402
 
 
@@ -102,13 +104,18 @@ def reference_gather_bytes(shape: Shape) -> int:
     return 3 * t * min(8, pmax) * shape.page_size * 2 * shape.num_kv_heads * shape.head_dim * 4
 
 
-def time_fn(fn, args, iters: int) -> float:
+def time_fn(fn, args, iters: int, rounds: int = 5) -> float:
+    """Median over rounds of the mean time per call, with ``iters`` calls dispatched
+    back to back and one sync per round (a sync per call would count dispatch and
+    synchronisation latency, tens of microseconds, against kernels that take ~0.1 ms)."""
     jax.block_until_ready(fn(*args))  # compile + warm up
     times = []
-    for _ in range(iters):
+    for _ in range(rounds):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+        outs = [fn(*args) for _ in range(iters)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - t0) / iters)
+        del outs
     return statistics.median(times)
 
 
@@ -136,6 +143,8 @@ def main(argv=None):
     shapes = small_shapes() if args.small else full_shapes()
     ceiling = copy_ceiling((32 if args.small else 1024) * 2**20, iters)
     dev = jax.devices()[0]
+    print(machine_line())
+    print(commit_line())
     print(f"device: {dev.device_kind} ({platform}), jax {jax.__version__}, dtype {dtype.name}")
     print(f"copy ceiling: {ceiling / 1e9:.1f} GB/s")
     if platform == "cpu" and "pallas" in args.backends:

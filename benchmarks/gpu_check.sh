@@ -22,6 +22,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
 # Tests and benchmark run one after another; do not let either grab 75% up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
+# tests/conftest.py pins the CPU unless JAX_PLATFORMS is set; an empty value lets JAX
+# pick the GPU, so the kernel tests compile the Triton kernel for real.
+export JAX_PLATFORMS="${JAX_PLATFORMS:-}"
 # The Triton backend warns of its deprecation (JAX >= 0.11) at every lowering.
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::DeprecationWarning}
 
@@ -36,14 +39,15 @@ PYEOF
 
 status=0
 if $PY -c "import pytest" 2>/dev/null; then
-  timeout 420 $PY -m pytest -q -p no:cacheprovider -o addopts="" \
+  $PY -c "import jax; print('tests run on', jax.default_backend())" 2>&1 | tee "$OUT/tests.txt"
+  timeout -k 10 180 $PY -m pytest -q -p no:cacheprovider -o addopts="" \
       tests/pallas_kernels/test_gpu.py tests/pallas_kernels/test_reference.py \
       tests/pallas_kernels/test_backend.py tests/pallas_kernels/test_lowering.py \
-      2>&1 | tee "$OUT/tests.txt"
+      2>&1 | tee -a "$OUT/tests.txt"
   status=${PIPESTATUS[0]}
 else
   echo "pytest not installed: running the built-in kernel check" | tee "$OUT/tests.txt"
-  timeout 420 $PY - <<'PYEOF' 2>&1 | tee -a "$OUT/tests.txt"
+  timeout -k 10 180 $PY - <<'PYEOF' 2>&1 | tee -a "$OUT/tests.txt"
 import sys, traceback
 import jax
 sys.path.insert(0, "tests/pallas_kernels")
@@ -69,6 +73,7 @@ fi
 
 bench_args=("$@")
 [ "${GPU_CHECK_ALLOW_CPU:-0}" = 1 ] && bench_args+=(--small)
-timeout 420 $PY benchmarks/bench_kernels.py "${bench_args[@]}" 2>&1 | tee "$OUT/bench.txt"
+# Test and benchmark limits (180 + 270 s) stay inside one 600 s device command.
+timeout -k 10 270 $PY benchmarks/bench_kernels.py "${bench_args[@]}" 2>&1 | tee "$OUT/bench.txt"
 echo "tests exit status: $status (logs in $OUT)"
 exit "$status"
