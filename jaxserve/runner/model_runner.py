@@ -152,12 +152,25 @@ class ModelRunner:
 
     def _attention(self, q, k, v, kv_cache, layer, md: AttentionMetadata):
         """Write this step's K/V, then attend (per layer, so a request later in the batch
-        sees blocks an earlier one of the same step just filled: prefix dedup, PC-15)."""
-        kv_cache = write_kv_cache(kv_cache, k, v, md.slot_mapping, layer=layer)
-        o = self._attention_impl(q, kv_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-                                 sm_scale=self.arch.head_dim ** -0.5, sliding_window=self.arch.sliding_window,
-                                 layer=layer)
-        return o, kv_cache
+        sees blocks an earlier one of the same step just filled: prefix dedup, PC-15).
+
+        With tensor parallelism both run under shard_map, each device on its own heads
+        and its own slice of the cache (DESIGN §5): a Pallas kernel has no partitioning
+        rule, and left to GSPMD its operands, the whole stacked cache included, would be
+        gathered onto every device."""
+        def local(q, k, v, kv_cache, layer, md):
+            kv_cache = write_kv_cache(kv_cache, k, v, md.slot_mapping, layer=layer)
+            o = self._attention_impl(q, kv_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
+                                     sm_scale=self.arch.head_dim ** -0.5, sliding_window=self.arch.sliding_window,
+                                     layer=layer)
+            return o, kv_cache
+
+        if self.mesh.shape["model"] == 1:
+            return local(q, k, v, kv_cache, layer, md)
+        heads = P(None, "model", None)  # [T, heads, H]
+        cache = kv_cache_sharding(self.mesh).spec
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(heads, heads, heads, cache, P(), P()),
+                             out_specs=(heads, cache), check_vma=False)(q, k, v, kv_cache, layer, md)
 
     def _build_step_functions(self) -> None:
         graphdef = self.graphdef

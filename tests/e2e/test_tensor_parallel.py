@@ -7,20 +7,25 @@ from jaxserve import LLM, SamplingParams
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 host devices (XLA_FLAGS in tests/conftest.py)")
-def test_tp2_matches_tp1(tiny_models):
+@pytest.mark.parametrize("backend", ["reference", "pallas"])  # pallas: interpreted, under shard_map
+def test_tp2_matches_tp1(tiny_models, backend):
     path = tiny_models("qwen2", kv_heads=2)
     ps = [{"prompt_token_ids": np.random.default_rng(i).integers(3, 500, 5 + 9 * i).tolist()} for i in range(4)]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     res = []
     for tp in (1, 2):
         llm = LLM(str(path), max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=4 << 20,
-                  compilation_cache=False, progress=False, tensor_parallel_size=tp, enforce_eager=True)
+                  compilation_cache=False, progress=False, tensor_parallel_size=tp, enforce_eager=True,
+                  attention_backend=backend)
         runner = llm.llm_engine.engine_core.model_runner
         if tp == 2:
             # KV heads and attention-head columns really are split over the 'model' axis.
             assert runner.kv_cache.sharding.spec[3] == "model"
             assert tuple(runner.state["layers"]["q_proj"][...].sharding.spec) == (None, None, "model")
             assert len(runner.kv_cache.sharding.device_set) == 2
+            # Attention runs per device on its own heads (shard_map): nothing is gathered.
+            hlo = runner._model_step.lower(runner.state, runner.kv_cache, *runner._dummy_model_inputs(16))
+            assert "all-gather" not in hlo.compile().as_text()
         res.append([o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)])
     assert res[0] == res[1]
     with pytest.raises(ValueError, match="tensor_parallel_size"):
