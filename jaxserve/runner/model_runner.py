@@ -203,20 +203,11 @@ class ModelRunner:
         # functions above serve any key not in here (enforce_eager).
         self._executables: dict[tuple, jax.stages.Compiled] = {}
 
-    def _run_model_step(self, t: int, *args):
-        exe = self._executables.get(("model", t))
-        return exe(*args) if exe is not None else self._model_step(*args)
-
-    def _run_sample_step(self, state, hidden_last, smd, *, num_reqs: int, greedy_only: bool, use_penalties: bool):
-        exe = self._executables.get(("sample", num_reqs, greedy_only, use_penalties))
-        if exe is not None:
-            return exe(state, hidden_last, smd)
-        return self._sample_step(state, hidden_last, smd, num_reqs=num_reqs, greedy_only=greedy_only,
-                                 use_penalties=use_penalties)
-
-    def _run_prompt_logprobs_step(self, t: int, *args):
-        exe = self._executables.get(("prompt_logprobs", t))
-        return exe(*args) if exe is not None else self._prompt_logprobs_step(*args)
+    def _run(self, key: tuple, jitted, *args, **static):
+        """The warm-up's executable for ``key`` (static arguments are baked into it),
+        else the jitted function."""
+        exe = self._executables.get(key)
+        return exe(*args) if exe is not None else jitted(*args, **static)
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self) -> float:
@@ -355,9 +346,11 @@ class ModelRunner:
             prompt_lens=ib.num_prompt_tokens[prow], total_lens=total_lens.astype(np.int32),
         )
         dev = jax.device_put((input_ids, positions, md, logits_indices, smd))
-        hidden, hidden_last, self.kv_cache = self._run_model_step(t_pad, self.state, self.kv_cache, *dev[:4])
-        sampled, lp_ids, lps, ranks = self._run_sample_step(
-            self.state, hidden_last, dev[4], num_reqs=r_pad, greedy_only=greedy_only, use_penalties=use_penalties)
+        hidden, hidden_last, self.kv_cache = self._run(("model", t_pad), self._model_step, self.state,
+                                                       self.kv_cache, *dev[:4])
+        sampled, lp_ids, lps, ranks = self._run(
+            ("sample", r_pad, greedy_only, use_penalties), self._sample_step, self.state, hidden_last, dev[4],
+            num_reqs=r_pad, greedy_only=greedy_only, use_penalties=use_penalties)
 
         # Prompt logprobs: positions p in [start, end) give the entries for tokens p + 1.
         # start skips what an earlier pass returned (the prompt is recomputed after preemption).
@@ -373,7 +366,8 @@ class ModelRunner:
             targets = np.zeros(t_pad, np.int32)
             nxt = np.minimum(pos + 1, ib.token_ids.shape[1] - 1)
             targets[:total] = ib.token_ids[tok_rows, nxt]
-            prompt_lp_dev = self._run_prompt_logprobs_step(t_pad, self.state, hidden, jax.device_put(targets))
+            prompt_lp_dev = self._run(("prompt_logprobs", t_pad), self._prompt_logprobs_step, self.state, hidden,
+                                      jax.device_put(targets))
 
         sampled, lp_ids, lps, ranks = jax.device_get((sampled, lp_ids, lps, ranks))
         sampled = sampled[:num_reqs]
