@@ -42,3 +42,27 @@ def test_write_kv_cache_scatters_interleaved_rows():
         np.testing.assert_array_equal(out[slot // 8, slot % 8, 0::2], np.asarray(k[t]))
         np.testing.assert_array_equal(out[slot // 8, slot % 8, 1::2], np.asarray(v[t]))
     assert np.count_nonzero(np.abs(out).sum(axis=(2, 3))) == 5
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 20])  # 1 page, then 2-4 pages per iteration
+@pytest.mark.parametrize("name", ["decode_gqa4_h128_p16", "mixed_gqa8_h64_p64_window_cap"])
+def test_reference_with_fewer_pages_per_iteration(monkeypatch, name, chunk_bytes):
+    """Large batches gather fewer pages per loop iteration (pages_per_chunk); the result
+    must not depend on it."""
+    import jax
+
+    monkeypatch.setattr(reference, "_CHUNK_BYTES", chunk_bytes)
+    kw = CASES[name].attn_kwargs
+    b = case_batch(name)
+    fn = jax.jit(reference.ragged_paged_attention, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+    with jax.default_matmul_precision("highest"):
+        out = np.asarray(fn(*b.args(), **kw))
+    np.testing.assert_allclose(out, naive_attention(b, **kw), atol=2e-6, rtol=1e-5)
+
+
+def test_pages_per_chunk():
+    # 64 decode rows x 16 tokens x 6 rows x 64 dims x 4 bytes = 1.5 MiB per page: 2 pages fit 4 MiB.
+    assert reference.pages_per_chunk(64, 16, 6, 64, pmax=128) == 2
+    assert reference.pages_per_chunk(1, 16, 6, 64, pmax=128) == 8  # capped at _PAGES_PER_CHUNK
+    assert reference.pages_per_chunk(1, 16, 6, 64, pmax=3) == 2  # and at the table width
+    assert reference.pages_per_chunk(512, 16, 16, 128, pmax=128) == 1  # never below one page
