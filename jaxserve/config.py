@@ -2,14 +2,11 @@
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jaxserve.core.sched.request_queue import SchedulingPolicy
-
-logger = logging.getLogger("jaxserve")
 
 # generation_config.json fields that become request defaults, as vLLM's
 # `--generation-config auto` reads them (max_new_tokens is HF's name for max_tokens).

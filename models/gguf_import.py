@@ -246,16 +246,18 @@ def _build_tokenizer(md: dict[str, Any]):
     # llama.cpp adds BOS / EOS when the GGUF says so (Llama 3's <|begin_of_text|>); the
     # tokenizer must do it itself: tokenizer_config's add_bos_token does not reach a
     # tokenizer.json-only fast tokenizer.
-    bos_id, eos_id = md.get("tokenizer.ggml.bos_token_id"), md.get("tokenizer.ggml.eos_token_id")
-    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
-    add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
-    if add_bos or add_eos:
-        bos = [tokens[int(bos_id)]] if add_bos else []
-        eos = [tokens[int(eos_id)]] if add_eos else []
-        single = " ".join(bos + ["$A"] + eos)
-        pair = " ".join(bos + ["$A"] + eos + [f"{t}:1" for t in bos] + ["$B:1"] + [f"{t}:1" for t in eos])
-        ids = {t: int(i) for t, i in zip(bos + eos, ([bos_id] if add_bos else []) + ([eos_id] if add_eos else []))}
-        post.append(processors.TemplateProcessing(single=single, pair=pair, special_tokens=list(ids.items())))
+    def added(which: str) -> list[tuple[str, int]]:
+        token_id = md.get(f"tokenizer.ggml.{which}_token_id")
+        if not md.get(f"tokenizer.ggml.add_{which}_token", False) or token_id is None:
+            return []
+        return [(tokens[int(token_id)], int(token_id))]
+
+    bos, eos = added("bos"), added("eos")
+    if bos or eos:
+        b, e = [t for t, _ in bos], [t for t, _ in eos]
+        single = " ".join(b + ["$A"] + e)
+        pair = " ".join(b + ["$A"] + e + [f"{t}:1" for t in b] + ["$B:1"] + [f"{t}:1" for t in e])
+        post.append(processors.TemplateProcessing(single=single, pair=pair, special_tokens=list(dict(bos + eos).items())))
     tok.post_processor = post[0] if len(post) == 1 else processors.Sequence(post)
 
     token_types = list(md.get("tokenizer.ggml.token_type", []))
