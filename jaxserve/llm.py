@@ -110,6 +110,8 @@ class LLM:
         progress = kwargs.get("progress", True)
         self.config = build_engine_config(model, **kwargs)
         self.llm_engine = LLMEngine(self.config, progress=progress)
+        # Read once: generate() without sampling_params should not reread the file.
+        self._default_sampling = self.config.model_config.get_diff_sampling_param()
         self.tokenizer = self.llm_engine.tokenizer
         self._counter = 0
 
@@ -119,7 +121,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's generation-config defaults applied
         (what ``generate`` / ``chat`` use when given no sampling_params)."""
-        return SamplingParams(**self.config.model_config.get_diff_sampling_param())
+        return SamplingParams(**self._default_sampling)
 
     def _params_list(self, n: int, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:
