@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -66,7 +67,7 @@ def build_inputs(shape: Shape, dtype, seed: int = 0):
     """Device arrays for one step: shuffled page tables over a cache sized to fit."""
     rng = np.random.default_rng(seed)
     s = shape.page_size
-    n_pages = [-(-kv // s) for _, kv in shape.seqs]
+    n_pages = [pl.cdiv(kv, s) for _, kv in shape.seqs]
     r = len(shape.seqs)
     pmax = max(n_pages)
     num_pages = 1 + sum(n_pages)
@@ -100,7 +101,7 @@ def attention_flops(shape: Shape) -> int:
 def reference_gather_bytes(shape: Shape) -> int:
     """Peak of the reference's per-token page gather (f32), to skip what cannot fit."""
     t = sum(q for q, _ in shape.seqs)
-    pmax = max(-(-kv // shape.page_size) for _, kv in shape.seqs)
+    pmax = max(pl.cdiv(kv, shape.page_size) for _, kv in shape.seqs)
     return 3 * t * min(8, pmax) * shape.page_size * 2 * shape.num_kv_heads * shape.head_dim * 4
 
 

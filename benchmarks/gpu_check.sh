@@ -4,8 +4,9 @@
 #
 #     bash benchmarks/gpu_check.sh            # logs also go to $OUT (default /tmp/gpu_check)
 #
-# 1. the GPU kernel tests, compiled for the GPU (tests/pallas_kernels/test_gpu.py
-#    detects the GPU and runs the Triton kernel for real, against the reference run on
+# 1. the GPU kernel tests, compiled for the GPU (tests/pallas_kernels/test_gpu.py and
+#    test_kernel_contract.py detect the GPU and run the Triton kernel for real, skipping
+#    the contract's TPU cases, against the reference run on
 #    the same GPU with f32 matmuls at full precision), plus the reference, dispatch
 #    and lowering tests; without pytest, a built-in equivalent of the kernel tests;
 # 2. the kernel benchmark (8B-model heads, bf16): time, GB/s vs the copy ceiling,
@@ -41,7 +42,8 @@ status=0
 if $PY -c "import pytest" 2>/dev/null; then
   $PY -c "import jax; print('tests run on', jax.default_backend())" 2>&1 | tee "$OUT/tests.txt"
   timeout -k 10 180 $PY -m pytest -q -p no:cacheprovider -o addopts="" \
-      tests/pallas_kernels/test_gpu.py tests/pallas_kernels/test_reference.py \
+      tests/pallas_kernels/test_gpu.py tests/pallas_kernels/test_kernel_contract.py \
+      tests/pallas_kernels/test_reference.py \
       tests/pallas_kernels/test_backend.py tests/pallas_kernels/test_lowering.py \
       2>&1 | tee -a "$OUT/tests.txt"
   status=${PIPESTATUS[0]}

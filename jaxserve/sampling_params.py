@@ -17,7 +17,6 @@ import warnings
 from dataclasses import dataclass, field
 
 _MIN_TEMPERATURE = 1e-2
-MAX_LOGPROBS_DEFAULT = 20
 
 
 class RequestOutputKind(enum.Enum):

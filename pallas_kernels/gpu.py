@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.tpu import validate_inputs
+from pallas_kernels.inputs import layer_index, validate_inputs
 
 _KV_BLOCK = 64  # keys per inner-loop iteration
 _MIN_DOT = 16  # Triton's minimum matmul dimension
@@ -238,7 +238,7 @@ def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, *, r
 def default_kv_splits(num_seqs_max: int, k_heads: int, max_kv_blocks: int) -> int:
     """Split-K factor for decode: enough programs to fill the GPU, at most 16."""
     programs = max(1, num_seqs_max * k_heads)
-    splits = _next_pow2(max(1, -(-_TARGET_PROGRAMS // programs)))
+    splits = _next_pow2(max(1, pl.cdiv(_TARGET_PROGRAMS, programs)))
     return max(1, min(splits, 16, _next_pow2(max_kv_blocks)))
 
 
@@ -277,14 +277,12 @@ def ragged_paged_attention(
     layer scan, read in place (a ``kv_cache[layer]`` slice would be a full copy).
     """
     validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, sliding_window=sliding_window, soft_cap=soft_cap)
-    if (layer is None) != (kv_cache.ndim == 4):
-        raise ValueError("pass `layer` exactly when kv_cache is stacked [L, P, S, 2K, H]")
-    layer = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    layer = layer_index(kv_cache, layer)
     t, n, h = q.shape
     _, page_size, two_k, _ = kv_cache.shape[-4:]
     r, pages_per_seq = page_indices.shape
     num_seqs = jnp.clip(jnp.reshape(num_seqs, (-1,))[0].astype(jnp.int32), 0, r)
-    max_kv_blocks = -(-pages_per_seq * page_size // _KV_BLOCK)
+    max_kv_blocks = pl.cdiv(pages_per_seq * page_size, _KV_BLOCK)
     splits = kv_splits or default_kv_splits(r, two_k // 2, max_kv_blocks)
     common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
                   num_warps=num_warps, num_stages=num_stages)

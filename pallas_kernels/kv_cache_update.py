@@ -21,6 +21,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.inputs import layer_index
+
 _TOKENS_PER_BLOCK = 128
 
 
@@ -62,14 +64,12 @@ def write_kv_cache(kv_cache, k, v, slot_mapping, *, layer=None, interpret=False)
     (slot = page * S + offset; slots in page 0 or out of range are skipped).
     Returns the updated cache.
     """
-    if (layer is None) != (kv_cache.ndim == 4):
-        raise ValueError("pass `layer` exactly when kv_cache is stacked [L, P, S, 2K, H]")
-    layer = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    layer = layer_index(kv_cache, layer)
     page_size, two_k, head_dim = kv_cache.shape[-3:]
     t = k.shape[0]
     new = jnp.stack([k, v], axis=2).reshape(t, two_k, head_dim).astype(kv_cache.dtype)
     bt = min(_TOKENS_PER_BLOCK, t)
-    t_pad = -(-t // bt) * bt
+    t_pad = pl.cdiv(t, bt) * bt
     if t_pad != t:
         new = jnp.pad(new, ((0, t_pad - t), (0, 0), (0, 0)))
     return pl.pallas_call(

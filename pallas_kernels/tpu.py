@@ -64,6 +64,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.inputs import layer_index, validate_inputs
+
 # Tokens per kv block we aim for, and the cap on pages (= DMA descriptors) per block.
 _KV_BLOCK_TOKENS = 256
 _MAX_PAGES_PER_BLOCK = 16
@@ -349,32 +351,6 @@ def _attend(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, layer, *, bq,
     return out[:t]
 
 
-def validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, *, sliding_window=None, soft_cap=None):
-    """Static shape / dtype checks shared by the kernels (ValueError on mismatch)."""
-    t, n, h = q.shape
-    if kv_cache.ndim not in (4, 5):
-        raise ValueError(f"kv_cache must be [P, S, 2K, H] (or stacked [L, P, S, 2K, H]), got {kv_cache.shape}")
-    _, _, two_k, hk = kv_cache.shape[-4:]
-    if hk != h:
-        raise ValueError(f"head_dim of q ({h}) and kv_cache ({hk}) differ")
-    if two_k % 2:
-        raise ValueError(f"kv_cache axis 2 must hold 2K interleaved rows, got {two_k}")
-    if n % (two_k // 2):
-        raise ValueError(f"{n} query heads are not a multiple of {two_k // 2} kv heads")
-    r = page_indices.shape[0]
-    if kv_lens.shape != (r,) or cu_q_lens.shape != (r + 1,):
-        raise ValueError(
-            f"kv_lens {kv_lens.shape} / cu_q_lens {cu_q_lens.shape} do not match page_indices {page_indices.shape}"
-        )
-    for name, a in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens)):
-        if a.dtype != jnp.int32:
-            raise ValueError(f"{name} must be int32, got {a.dtype}")
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-    if soft_cap is not None and soft_cap == 0:
-        raise ValueError("soft_cap must not be 0")
-
-
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -411,9 +387,7 @@ def ragged_paged_attention(
     slice ``kv_cache[layer]`` instead would copy the layer's whole cache every step).
     """
     validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, sliding_window=sliding_window, soft_cap=soft_cap)
-    if (layer is None) != (kv_cache.ndim == 4):
-        raise ValueError("pass `layer` exactly when kv_cache is stacked [L, P, S, 2K, H]")
-    layer = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    layer = layer_index(kv_cache, layer)
     t, n, h = q.shape
     _, page_size, two_k, _ = kv_cache.shape[-4:]
     groups = n // (two_k // 2)

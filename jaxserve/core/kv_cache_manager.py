@@ -4,11 +4,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from jaxserve.core.block_pool import BlockPool
-from jaxserve.core.kv_cache_utils import KVCacheBlock, PrefixCacheStats
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from jaxserve.core.kv_cache_utils import KVCacheBlock, PrefixCacheStats, cdiv
 
 
 class KVCacheManager:

@@ -10,6 +10,11 @@ from typing import Any, Callable, Iterable, Sequence
 BlockHash = bytes
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of integers: how many size-``b`` blocks hold ``a`` items."""
+    return -(-a // b)
+
+
 def _sha256(obj: Any) -> bytes:
     # pickle of ints / tuples / bytes / str is deterministic across processes and hosts.
     return hashlib.sha256(pickle.dumps(obj, protocol=5)).digest()

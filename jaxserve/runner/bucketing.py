@@ -4,13 +4,6 @@ from __future__ import annotations
 import numpy as np
 
 
-def pad_to_multiple(x: int, multiple: int, max_limit: int | None = None, keep_one: bool = False) -> int:
-    if keep_one and x == 1:
-        return 1
-    out = -(-x // multiple) * multiple
-    return min(out, max_limit) if max_limit is not None else out
-
-
 def power_of_two_buckets(floor: int, maximum: int) -> tuple[int, ...]:
     """floor, 2*floor, ... up to and including maximum (maximum always the last bucket)."""
     out, b = [], max(1, floor)

@@ -68,8 +68,9 @@ def test_prefill_hit_and_eviction_order():  # PC-01, PC-02, PC-03, PC-04
     computed, n, blocks = schedule(m, r3)
     assert n == 0
     assert ids(blocks) == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
+    # Every old hash was evicted with its block: the map holds exactly r3's 10 blocks.
     assert m.block_pool.cached_block_hash_to_block == {
-        h: bucket for h, bucket in m.block_pool.cached_block_hash_to_block.items()
+        h: {b.block_id: b} for h, b in zip(r3.block_hashes, blocks, strict=True)
     }
     assert all(r2.block_hashes[i] not in m.block_pool.cached_block_hash_to_block for i in range(3))
 

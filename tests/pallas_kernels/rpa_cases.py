@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 from pallas_kernels import reference
 
@@ -49,7 +50,7 @@ def make_batch(
     """
     rng = np.random.default_rng(seed)
     seqs = tuple((int(a), int(b)) for a, b in seqs)
-    n_pages = [-(-kv // page_size) for _, kv in seqs]
+    n_pages = [pl.cdiv(kv, page_size) for _, kv in seqs]
     pmax = max([1, *n_pages]) + extra_pages_per_seq
     num_pages = 1 + sum(n_pages) + spare_pages
     perm = rng.permutation(np.arange(1, num_pages))

@@ -3,15 +3,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.runner.bucketing import BucketTable, pad_to_multiple, power_of_two_buckets
+from jaxserve.runner.bucketing import BucketTable, power_of_two_buckets
 from jaxserve.runner.kv_cache import bytes_per_block, determine_num_blocks
 from models.config import ModelArchConfig
-
-
-def test_pad_to_multiple():
-    assert pad_to_multiple(17, 8) == 24
-    assert pad_to_multiple(17, 8, max_limit=20) == 20
-    assert pad_to_multiple(1, 8, keep_one=True) == 1
 
 
 def test_request_buckets():

@@ -50,7 +50,3 @@ class SchedulerOutput:
     # Requests preempted in this schedule(): the runner removes them from the batch
     # but keeps their token state for when they resume.
     preempted_req_ids: set[str] = field(default_factory=set)
-
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.kv_cache_utils import PrefixCacheStats, get_request_block_hasher
+from jaxserve.core.kv_cache_utils import KVCacheBlock, PrefixCacheStats, cdiv, get_request_block_hasher
 from jaxserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxserve.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -113,15 +113,12 @@ class Scheduler:
         req_to_new_block_ids: dict[str, list[int]] = {}
         num_scheduled_tokens: dict[str, int] = {}
         token_budget = self.max_num_scheduled_tokens
-        threshold = self.scheduler_config.long_prefill_token_threshold
 
         # 1. Running requests, in order. Each needs its remaining tokens (1 when decoding).
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
-            if 0 < threshold < num_new_tokens:
-                num_new_tokens = threshold
+            num_new_tokens = self._clamp_long_prefill(request.num_tokens - request.num_computed_tokens)
             num_new_tokens = min(num_new_tokens, token_budget)
             # Never compute a position at or past max_model_len.
             num_new_tokens = min(num_new_tokens, self.max_model_len - request.num_computed_tokens)
@@ -129,27 +126,13 @@ class Scheduler:
                 req_index += 1
                 continue
 
-            while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-                if new_blocks is not None:
-                    break
-                # Out of blocks: preempt the lowest-priority request (the last added under
-                # FCFS) and retry. It will recompute from scratch (the prefix cache helps).
-                if self.policy == SchedulingPolicy.PRIORITY:
-                    victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
-                    self.running.remove(victim)
-                    if victim in scheduled_running_reqs:
-                        # It was scheduled earlier in this loop: undo that.
-                        scheduled_running_reqs.remove(victim)
-                        token_budget += num_scheduled_tokens.pop(victim.request_id)
-                        req_to_new_block_ids.pop(victim.request_id)
-                        req_index -= 1
-                else:
-                    victim = self.running.pop()
-                self._preempt_request(victim)
-                preempted_reqs.append(victim)
-                if victim is request:
-                    break
+            new_blocks, num_undone_reqs, num_undone_tokens = self._allocate_or_preempt(
+                request, num_new_tokens, scheduled_running_reqs, num_scheduled_tokens, req_to_new_block_ids,
+                preempted_reqs,
+            )
+            # Each undone victim sat before this request in self.running.
+            req_index -= num_undone_reqs
+            token_budget += num_undone_tokens
             if new_blocks is None:  # the request preempted itself: nothing else fits
                 break
 
@@ -167,9 +150,7 @@ class Scheduler:
                 request = self.waiting.peek_request()
                 computed_blocks, num_new_local_computed = self.kv_cache_manager.get_computed_blocks(request)
                 num_computed_tokens = num_new_local_computed
-                num_new_tokens = request.num_tokens - num_computed_tokens
-                if 0 < threshold < num_new_tokens:
-                    num_new_tokens = threshold
+                num_new_tokens = self._clamp_long_prefill(request.num_tokens - num_computed_tokens)
                 if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > token_budget:
                     break  # FCFS: do not skip the blocked request
                 num_new_tokens = min(num_new_tokens, token_budget)
@@ -233,6 +214,56 @@ class Scheduler:
         if self.check_invariants:
             self.assert_invariants()
         return scheduler_output
+
+    def _clamp_long_prefill(self, num_new_tokens: int) -> int:
+        """At most ``long_prefill_token_threshold`` new tokens per request and step (0: no limit)."""
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if 0 < threshold < num_new_tokens:
+            return threshold
+        return num_new_tokens
+
+    def _allocate_or_preempt(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        scheduled_running_reqs: list[Request],
+        num_scheduled_tokens: dict[str, int],
+        req_to_new_block_ids: dict[str, list[int]],
+        preempted_reqs: list[Request],
+    ) -> tuple[list[KVCacheBlock] | None, int, int]:
+        """Slots for a running request, preempting running requests until they fit.
+
+        Out of blocks: preempt the lowest-priority request (the last added under FCFS)
+        and retry; it will recompute from scratch (the prefix cache helps). A victim
+        already scheduled in this step (possible under PRIORITY only) is taken out of
+        the step's lists again. Returns (the new blocks, or None when ``request`` itself
+        was preempted; how many scheduled requests were undone; their tokens).
+        """
+        num_undone_reqs = num_undone_tokens = 0
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks, num_undone_reqs, num_undone_tokens
+            victim = self._pop_preemption_victim()
+            if victim in scheduled_running_reqs:
+                scheduled_running_reqs.remove(victim)
+                num_undone_tokens += num_scheduled_tokens.pop(victim.request_id)
+                req_to_new_block_ids.pop(victim.request_id)
+                num_undone_reqs += 1
+            self._preempt_request(victim)
+            preempted_reqs.append(victim)
+            if victim is request:
+                return None, num_undone_reqs, num_undone_tokens
+
+    def _pop_preemption_victim(self) -> Request:
+        """Take the request to preempt out of ``self.running``: the largest (priority,
+        arrival_time) under PRIORITY, the last added under FCFS (never one scheduled
+        earlier in the step: those come before the request being scheduled)."""
+        if self.policy == SchedulingPolicy.PRIORITY:
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            self.running.remove(victim)
+            return victim
+        return self.running.pop()
 
     def _preempt_request(self, request: Request) -> None:
         assert request.status == RequestStatus.RUNNING
@@ -337,7 +368,7 @@ class Scheduler:
         for r in self.running:
             assert r.status == RequestStatus.RUNNING
             assert r.num_computed_tokens <= r.num_tokens
-            need = -(-min(r.num_computed_tokens, self.max_model_len) // self.block_size)
+            need = cdiv(min(r.num_computed_tokens, self.max_model_len), self.block_size)
             assert len(self.kv_cache_manager.req_to_blocks.get(r.request_id, [])) >= need
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)

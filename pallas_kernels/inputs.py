@@ -1,0 +1,44 @@
+"""Argument checks and set-up shared by the kernel wrappers (tpu.py, gpu.py, kv_cache_update.py).
+
+Only static (shape / dtype / Python value) checks: they run once per trace, never on device.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, *, sliding_window=None, soft_cap=None):
+    """Static shape / dtype checks of ragged paged attention's arguments (ValueError on mismatch)."""
+    t, n, h = q.shape
+    if kv_cache.ndim not in (4, 5):
+        raise ValueError(f"kv_cache must be [P, S, 2K, H] (or stacked [L, P, S, 2K, H]), got {kv_cache.shape}")
+    _, _, two_k, hk = kv_cache.shape[-4:]
+    if hk != h:
+        raise ValueError(f"head_dim of q ({h}) and kv_cache ({hk}) differ")
+    if two_k % 2:
+        raise ValueError(f"kv_cache axis 2 must hold 2K interleaved rows, got {two_k}")
+    if n % (two_k // 2):
+        raise ValueError(f"{n} query heads are not a multiple of {two_k // 2} kv heads")
+    r = page_indices.shape[0]
+    if kv_lens.shape != (r,) or cu_q_lens.shape != (r + 1,):
+        raise ValueError(
+            f"kv_lens {kv_lens.shape} / cu_q_lens {cu_q_lens.shape} do not match page_indices {page_indices.shape}"
+        )
+    for name, a in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens)):
+        if a.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {a.dtype}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    if soft_cap is not None and soft_cap == 0:
+        raise ValueError("soft_cap must not be 0")
+
+
+def layer_index(kv_cache, layer):
+    """The layer of a stacked cache as the int32 [1] operand the kernels read (0 when not stacked).
+
+    ``layer`` must be given exactly when ``kv_cache`` is stacked [L, P, S, 2K, H]: the
+    kernels then read ``kv_cache[layer]`` in place (ValueError otherwise).
+    """
+    if (layer is None) != (kv_cache.ndim == 4):
+        raise ValueError("pass `layer` exactly when kv_cache is stacked [L, P, S, 2K, H]")
+    return jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
