@@ -1,10 +1,14 @@
-"""Llama-family decoder in Flax NNX: Llama 2/3, SmolLM, Mistral, Qwen2 (qkv bias),
-Qwen3 (q/k RMSNorm). One file, one model, parameterised by ModelArchConfig.
+"""Llama decoder in Flax NNX (Llama 2/3, SmolLM) and the base of its variants:
+models/mistral.py (sliding window), models/qwen2.py (q/k/v bias), models/qwen3.py
+(q/k RMSNorm).
 
 Layer weights are stacked on a leading layer axis and the layers run under
 ``lax.scan`` (``scan_layers=False`` unrolls them), so compile time does not grow
 with depth. Projections are stored [in, out] so a matmul is ``x @ w``.
 The KV cache is [L, P, S, 2K, H] (DESIGN §4) and is threaded through the scan.
+
+Tensor parallelism (DESIGN §5): q/k/v/gate/up are split by output columns, o/down
+by input rows, lm_head by vocabulary; the declarations are in ``weight_map``.
 """
 from __future__ import annotations
 
@@ -16,34 +20,18 @@ import numpy as np
 from flax import nnx
 
 from models.attention_metadata import AttentionMetadata
-from models.config import ModelArchConfig
+from models.base import MODEL, CausalLM, Weight, make_param
+from models.config import ModelArchConfig, hf_common_fields
 from models.rope import apply_rope, rope_inv_freq
 
-# Names and shapes of the stacked per-layer weights (L layers, D model dim, F mlp dim,
-# N heads, K kv heads, H head dim).
-def layer_param_shapes(c: ModelArchConfig) -> dict[str, tuple[int, ...]]:
-    L, D, F = c.num_hidden_layers, c.hidden_size, c.intermediate_size
-    N, K, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    shapes = {
-        "input_layernorm": (L, D),
-        "q_proj": (L, D, N * H),
-        "k_proj": (L, D, K * H),
-        "v_proj": (L, D, K * H),
-        "o_proj": (L, N * H, D),
-        "post_attention_layernorm": (L, D),
-        "gate_proj": (L, D, F),
-        "up_proj": (L, D, F),
-        "down_proj": (L, F, D),
-    }
-    if c.attention_bias:
-        shapes |= {"q_bias": (L, N * H), "k_bias": (L, K * H), "v_bias": (L, K * H)}
-    if c.o_bias:
-        shapes |= {"o_bias": (L, D)}
-    if c.mlp_bias:
-        shapes |= {"gate_bias": (L, F), "up_bias": (L, F), "down_bias": (L, D)}
-    if c.qk_norm:
-        shapes |= {"q_norm": (L, H), "k_norm": (L, H)}
-    return shapes
+# Axis sizes, as ModelArchConfig fields: L layers, D model dim, F mlp dim, V vocabulary,
+# NH / KH query / kv heads times the head dim.
+L, D, F, V = "num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size"
+NH, KH = "num_attention_heads*head_dim", "num_key_value_heads*head_dim"
+COLUMNS = (None, None, MODEL)  # [L, in, out] split by output columns (heads / MLP columns)
+ROWS = (None, MODEL, None)  # [L, in, out] split by input rows
+COLUMN_BIAS = (None, MODEL)  # [L, out] bias of a column-split projection
+LAYER = "model.layers.{i}."
 
 
 def rms_norm(x, w, eps):
@@ -55,25 +43,86 @@ def rms_norm(x, w, eps):
 class DecoderLayers(nnx.Module):
     """All decoder layers' weights, stacked [L, ...]."""
 
-    def __init__(self, config: ModelArchConfig, weights: dict[str, np.ndarray], dtype) -> None:
-        for name, shape in layer_param_shapes(config).items():
-            w = weights[name]
-            assert w.shape == shape, f"{name}: expected {shape}, got {w.shape}"
-            setattr(self, name, nnx.Param(jnp.asarray(w, dtype)))
+    def __init__(self, config: ModelArchConfig, weights: dict[str, np.ndarray], weight_map: dict[str, Weight],
+                 dtype) -> None:
+        for name, w in weight_map.items():
+            setattr(self, name, make_param(name, weights[name], w, config, dtype))
 
 
-class LlamaForCausalLM(nnx.Module):
+class LlamaForCausalLM(CausalLM):
+    architectures = ("LlamaForCausalLM",)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelArchConfig:
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+        own = cls.arch_fields(cfg)
+        return ModelArchConfig(**hf_common_fields(cfg), **own)
+
+    @classmethod
+    def arch_fields(cls, cfg: dict) -> dict:
+        """The ModelArchConfig flags this architecture reads from config.json. Llama:
+        attention_bias puts biases on q/k/v/o, mlp_bias on gate/up/down."""
+        bias = bool(cfg.get("attention_bias", False))
+        return dict(attention_bias=bias, o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)))
+
+    @classmethod
+    def weight_map(cls, c: ModelArchConfig) -> dict[str, Weight]:
+        m = {
+            "embed_tokens": Weight("model.embed_tokens.weight", (V, D)),
+            "norm": Weight("model.norm.weight", (D,)),
+        }
+        if not c.tie_word_embeddings:
+            m["lm_head"] = Weight("lm_head.weight", (D, V), (None, MODEL), transpose=True)
+        m |= {
+            "input_layernorm": Weight(LAYER + "input_layernorm.weight", (L, D)),
+            "q_proj": Weight(LAYER + "self_attn.q_proj.weight", (L, D, NH), COLUMNS, transpose=True),
+            "k_proj": Weight(LAYER + "self_attn.k_proj.weight", (L, D, KH), COLUMNS, transpose=True),
+            "v_proj": Weight(LAYER + "self_attn.v_proj.weight", (L, D, KH), COLUMNS, transpose=True),
+            "o_proj": Weight(LAYER + "self_attn.o_proj.weight", (L, NH, D), ROWS, transpose=True),
+            "post_attention_layernorm": Weight(LAYER + "post_attention_layernorm.weight", (L, D)),
+            "gate_proj": Weight(LAYER + "mlp.gate_proj.weight", (L, D, F), COLUMNS, transpose=True),
+            "up_proj": Weight(LAYER + "mlp.up_proj.weight", (L, D, F), COLUMNS, transpose=True),
+            "down_proj": Weight(LAYER + "mlp.down_proj.weight", (L, F, D), ROWS, transpose=True),
+        }
+        if c.attention_bias:
+            m |= {
+                "q_bias": Weight(LAYER + "self_attn.q_proj.bias", (L, NH), COLUMN_BIAS),
+                "k_bias": Weight(LAYER + "self_attn.k_proj.bias", (L, KH), COLUMN_BIAS),
+                "v_bias": Weight(LAYER + "self_attn.v_proj.bias", (L, KH), COLUMN_BIAS),
+            }
+        if c.o_bias:
+            m["o_bias"] = Weight(LAYER + "self_attn.o_proj.bias", (L, D))
+        if c.mlp_bias:
+            m |= {
+                "gate_bias": Weight(LAYER + "mlp.gate_proj.bias", (L, F), COLUMN_BIAS),
+                "up_bias": Weight(LAYER + "mlp.up_proj.bias", (L, F), COLUMN_BIAS),
+                "down_bias": Weight(LAYER + "mlp.down_proj.bias", (L, D)),
+            }
+        return m
+
+    @classmethod
+    def ignored_hf_tensors(cls, config: ModelArchConfig) -> tuple[str, ...]:
+        tied_head = (r"lm_head\.weight",) if config.tie_word_embeddings else ()  # a copy of embed_tokens
+        return super().ignored_hf_tensors(config) + tied_head
+
     def __init__(self, config: ModelArchConfig, weights: dict[str, np.ndarray], *, dtype=jnp.float32,
                  scan_layers: bool = True) -> None:
         self.config = config
         self.scan_layers = scan_layers
-        self.embed_tokens = nnx.Param(jnp.asarray(weights["embed_tokens"], dtype))  # [V, D]
-        self.layers = DecoderLayers(config, weights, dtype)
-        self.norm = nnx.Param(jnp.asarray(weights["norm"], dtype))  # [D]
+        wm = self.weight_map(config)
+        self.embed_tokens = make_param("embed_tokens", weights["embed_tokens"], wm["embed_tokens"], config, dtype)
+        self.layers = DecoderLayers(config, weights, {n: w for n, w in wm.items() if w.per_layer}, dtype)
+        self.norm = make_param("norm", weights["norm"], wm["norm"], config, dtype)  # [D]
         if not config.tie_word_embeddings:
-            self.lm_head = nnx.Param(jnp.asarray(weights["lm_head"], dtype))  # [D, V]
+            self.lm_head = make_param("lm_head", weights["lm_head"], wm["lm_head"], config, dtype)  # [D, V]
+        # Not an nnx.Param: placement keeps it float32 whatever the params' dtype.
         self.inv_freq = nnx.Variable(jnp.asarray(
             rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)))
+
+    def norm_qk(self, q, k, lw):
+        """Hook between the q/k projections and rope (q: [T, N, H], k: [T, K, H])."""
+        return q, k
 
     def __call__(self, input_ids, positions, kv_cache, md: AttentionMetadata, attention_fn: Callable):
         """input_ids, positions: [T] int32; kv_cache: [L, P, S, 2K, H].
@@ -82,7 +131,7 @@ class LlamaForCausalLM(nnx.Module):
         c = self.config
         h = self.embed_tokens[...][input_ids]
         inv_freq = self.inv_freq[...]
-        names = list(layer_param_shapes(c))
+        names = [n for n, w in self.weight_map(c).items() if w.per_layer]
         stacked = {n: getattr(self.layers, n)[...] for n in names}
 
         def layer_fn(h, kv_cache, lw, layer):
@@ -93,9 +142,7 @@ class LlamaForCausalLM(nnx.Module):
             if c.attention_bias:
                 q, k, v = q + lw["q_bias"], k + lw["k_bias"], v + lw["v_bias"]
             q, k, v = q.reshape(t, N, H), k.reshape(t, K, H), v.reshape(t, K, H)
-            if c.qk_norm:
-                q = rms_norm(q, lw["q_norm"], c.rms_norm_eps)
-                k = rms_norm(k, lw["k_norm"], c.rms_norm_eps)
+            q, k = self.norm_qk(q, k, lw)
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
             o, kv_cache = attention_fn(q, k, v, kv_cache, layer, md)

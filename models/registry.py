@@ -1,26 +1,28 @@
-"""HF ``architectures`` name -> decoder class."""
+"""HF ``architectures`` name -> model class.
+
+A table of (module, class) imported on first use: models/config.py asks the registry
+before reading a config, and the model files import models/config.py, so nothing
+here imports a model at import time. Adding an architecture is one line here.
+"""
 from __future__ import annotations
 
-from models.llama import LlamaForCausalLM
+import importlib
 
-# Qwen2 (qkv bias), Qwen3 (q/k norm) and Mistral (sliding window) are the Llama
-# decoder with ModelArchConfig flags set from their config.json.
 _MODEL_REGISTRY = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "LlamaForCausalLM": ("models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("models.mistral", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("models.qwen3", "Qwen3ForCausalLM"),
 }
 
 
 def get_model_class(architecture: str):
     try:
-        return _MODEL_REGISTRY[architecture]
+        module, name = _MODEL_REGISTRY[architecture]
     except KeyError:
         raise ValueError(
             f"Model architecture {architecture!r} is not supported; supported: {sorted(_MODEL_REGISTRY)}"
         ) from None
-
-
-def supported_architectures() -> list[str]:
-    return sorted(_MODEL_REGISTRY)
+    cls = getattr(importlib.import_module(module), name)
+    assert architecture in cls.architectures, f"{module}.{name} does not declare {architecture!r}"
+    return cls

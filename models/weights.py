@@ -1,7 +1,8 @@
-"""Load HF safetensors checkpoints into the stacked [in, out] layout of models/llama.py."""
+"""Load HF safetensors checkpoints by a model class's weight map (models/base.py)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -9,29 +10,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from models.config import ModelArchConfig
-from models.llama import layer_param_shapes
-
-# Our stacked name -> (HF name inside model.layers.{i}., transpose?)
-_LAYER_MAP = {
-    "input_layernorm": ("input_layernorm.weight", False),
-    "q_proj": ("self_attn.q_proj.weight", True),
-    "k_proj": ("self_attn.k_proj.weight", True),
-    "v_proj": ("self_attn.v_proj.weight", True),
-    "o_proj": ("self_attn.o_proj.weight", True),
-    "q_bias": ("self_attn.q_proj.bias", False),
-    "k_bias": ("self_attn.k_proj.bias", False),
-    "v_bias": ("self_attn.v_proj.bias", False),
-    "o_bias": ("self_attn.o_proj.bias", False),
-    "gate_bias": ("mlp.gate_proj.bias", False),
-    "up_bias": ("mlp.up_proj.bias", False),
-    "down_bias": ("mlp.down_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "post_attention_layernorm": ("post_attention_layernorm.weight", False),
-    "gate_proj": ("mlp.gate_proj.weight", True),
-    "up_proj": ("mlp.up_proj.weight", True),
-    "down_proj": ("mlp.down_proj.weight", True),
-}
+from models.registry import get_model_class
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -45,8 +24,14 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_hf_weights(model_dir: str | Path, config: ModelArchConfig, *, progress: bool = True) -> dict[str, np.ndarray]:
-    """Returns {stacked name: array} with per-layer weights stacked on axis 0 (float32)."""
+def load_hf_weights(model_dir: str | Path, config: ModelArchConfig, model_cls=None, *,
+                    progress: bool = True) -> dict[str, np.ndarray]:
+    """Returns {our name: float32 array} for every entry of the model class's
+    ``weight_map`` (default: the class of ``config.architecture``), transposed where the
+    map says so; per-layer tensors ("{i}" in the name) are stacked on axis 0."""
+    model_cls = model_cls or get_model_class(config.architecture)
+    weight_map = model_cls.weight_map(config)
+    ignored = re.compile("|".join(f"(?:{r})" for r in model_cls.ignored_hf_tensors(config)) or "(?!)")
     model_dir = Path(model_dir)
     tensors: dict[str, np.ndarray] = {}
     files = _safetensors_files(model_dir)
@@ -58,28 +43,23 @@ def load_hf_weights(model_dir: str | Path, config: ModelArchConfig, *, progress:
                 tensors[name] = fh.get_tensor(name)
     used = set()
 
-    def take(name: str) -> np.ndarray:
+    def take(name: str, transpose: bool) -> np.ndarray:
         if name not in tensors:
             raise ValueError(f"{model_dir}: the checkpoint has no tensor {name!r}, which {config.architecture} needs")
         used.add(name)
-        return tensors[name].astype(np.float32)
+        w = tensors[name].astype(np.float32)
+        return w.T if transpose else w
 
     out: dict[str, np.ndarray] = {}
-    out["embed_tokens"] = take("model.embed_tokens.weight")
-    out["norm"] = take("model.norm.weight")
-    if not config.tie_word_embeddings:
-        out["lm_head"] = np.ascontiguousarray(take("lm_head.weight").T)
-    for name in layer_param_shapes(config):
-        hf_name, transpose = _LAYER_MAP[name]
-        per_layer = []
-        for i in range(config.num_hidden_layers):
-            w = take(f"model.layers.{i}.{hf_name}")
-            per_layer.append(w.T if transpose else w)
-        out[name] = np.ascontiguousarray(np.stack(per_layer))
-    # A tensor left over means the checkpoint does math this decoder would skip.
-    # (Saved rotary buffers and a tied lm_head copy are harmless.)
-    unused = sorted(n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq")
-                    and not (n == "lm_head.weight" and config.tie_word_embeddings))
+    for name, w in weight_map.items():
+        if w.per_layer:
+            value = np.stack([take(w.hf_name.format(i=i), w.transpose) for i in range(config.num_hidden_layers)])
+        else:
+            value = take(w.hf_name, w.transpose)
+        out[name] = np.ascontiguousarray(value)
+    # A tensor left over means the checkpoint does math this decoder would skip
+    # (the model lists the harmless ones: saved rotary buffers, a tied lm_head copy).
+    unused = sorted(n for n in tensors if n not in used and not ignored.fullmatch(n))
     if unused:
         raise ValueError(f"{model_dir}: {len(unused)} checkpoint tensor(s) that {config.architecture} as configured "
                          f"does not use, e.g. {unused[:3]}; this model variant is not supported")

@@ -37,7 +37,7 @@ def test_bias_flags_follow_hf():
 
 
 def test_tensor_parallel_sizes_must_divide():
-    from jaxserve.runner.model_runner import check_tensor_parallel
+    from models.sharding import check_tensor_parallel
 
     check_tensor_parallel(cfg(), 2)
     with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide num_key_value_heads=2"):

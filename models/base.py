@@ -1,0 +1,78 @@
+"""What a model file declares (see models/README.md), and the helpers that read it.
+
+A model class serves the HF ``architectures`` it lists, reads its own config.json
+fields (``from_hf_config``), names its checkpoint tensors (``weight_map``) and
+partitions its params: each ``Weight`` carries a partitioning over the mesh axes
+('data', 'model'), which ``make_param`` puts on the ``nnx.Param`` as its
+``out_sharding`` metadata. The loader (models/weights.py), the placement and the
+tensor-parallel check (models/sharding.py) read these declarations and know
+nothing about any one architecture.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import ModelArchConfig
+
+MODEL = "model"  # the mesh axis tensor parallelism shards over
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One parameter as the checkpoint stores it and as we shard it."""
+
+    hf_name: str  # checkpoint tensor name; "{i}" is the layer index (layers stacked on a new axis 0)
+    dims: tuple[str, ...]  # ModelArchConfig field giving each axis's size; "a*b" is a product
+    sharding: tuple[str | None, ...] | None = None  # mesh axis per axis; None: replicated
+    transpose: bool = False  # HF Linear weights are [out, in]; ours are [in, out]
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf_name
+
+    @property
+    def partition(self) -> tuple[str | None, ...]:
+        return self.sharding if self.sharding is not None else (None,) * len(self.dims)
+
+    def shape(self, config: ModelArchConfig) -> tuple[int, ...]:
+        return tuple(dim_size(config, d) for d in self.dims)
+
+
+def dim_size(config: ModelArchConfig, dim: str) -> int:
+    return math.prod(getattr(config, f) for f in dim.split("*"))
+
+
+def make_param(name: str, value: np.ndarray, weight: Weight, config: ModelArchConfig, dtype) -> nnx.Param:
+    """The param with its partitioning as metadata. Never sharded eagerly: models are
+    built on the host, and models/sharding.py places them afterwards."""
+    shape = weight.shape(config)
+    assert value.shape == shape, f"{name}: expected {shape}, got {value.shape}"
+    return nnx.Param(jnp.asarray(value, dtype), out_sharding=weight.partition, eager_sharding=False)
+
+
+class CausalLM(nnx.Module):
+    """The declarations every model class makes (the decoder itself is the subclass's)."""
+
+    architectures: ClassVar[tuple[str, ...]] = ()  # HF ``architectures`` names served
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelArchConfig:
+        """config.json -> ModelArchConfig (ValueError for what the model does not support)."""
+        raise NotImplementedError
+
+    @classmethod
+    def weight_map(cls, config: ModelArchConfig) -> dict[str, Weight]:
+        """Our param name -> how the checkpoint stores it and how it is sharded."""
+        raise NotImplementedError
+
+    @classmethod
+    def ignored_hf_tensors(cls, config: ModelArchConfig) -> tuple[str, ...]:
+        """Regexes of checkpoint tensors that may be left unread (any other unread tensor
+        is an error: the checkpoint does math the model would skip)."""
+        return (r".*rotary_emb\.inv_freq",)  # saved rotary buffers
