@@ -41,7 +41,7 @@ def main() -> None:
               max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
               compilation_cache=not args.no_compilation_cache)
     startup = time.perf_counter() - t0
-    vocab = llm.llm_engine.engine_core.model_runner.vocab_size
+    vocab = llm.llm_engine.vocab_size
     rng = np.random.default_rng(args.seed)
     # Random token prompts (BM "random" dataset); ids avoid the special tokens at the bottom.
     prompts = [{"prompt_token_ids": rng.integers(100, vocab, args.input_len).tolist()} for _ in range(args.num_prompts)]
@@ -56,8 +56,8 @@ def main() -> None:
     total = prompt_tokens + output_tokens
     print(machine_line())
     print(commit_line())
-    print(f"startup (load + warm-up): {startup:.1f} s; warm-up {llm.llm_engine.engine_core.warmup_seconds:.1f} s, "
-          f"{llm.llm_engine.engine_core.model_runner.num_compiled_programs} programs")
+    print(f"startup (load + warm-up): {startup:.1f} s; warm-up {llm.llm_engine.warmup_seconds:.1f} s, "
+          f"{llm.llm_engine.num_compiled_programs} programs")
     print(f"Throughput: {len(outs) / elapsed:.2f} requests/s, {total / elapsed:.2f} total tokens/s, "
           f"{output_tokens / elapsed:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {prompt_tokens}")

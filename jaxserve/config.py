@@ -12,13 +12,16 @@ from jaxserve.core.sched.request_queue import SchedulingPolicy
 # `--generation-config auto` reads them (max_new_tokens is HF's name for max_tokens).
 GENERATION_CONFIG_SAMPLING_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p",
                                      "max_new_tokens")
+# Serving dtypes by name (auto: float32 on CPU, bfloat16 on accelerators); the runner
+# maps them to jnp dtypes.
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float", "half")
 
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
-    max_model_len: int = 2048
+    max_model_len: int = 2048  # the one home of the context length (EngineArgs resolves it)
     enable_chunked_prefill: bool = True
     # 0: no cap. Otherwise a prefill takes at most this many tokens per step, so one
     # long prompt cannot starve the others (vLLM's long_prefill_token_threshold).
@@ -47,7 +50,6 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     kv_cache_memory: int | None = None  # bytes; overrides the measured budget
-    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size % 8:
@@ -61,23 +63,22 @@ class CacheConfig:
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
-            raise ValueError("parallel sizes must be at least 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     model: str  # local folder (HF layout)
     tokenizer: str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on accelerators
-    max_model_len: int | None = None  # None: the model's own limit
+    dtype: str = "auto"  # one of DTYPES
     seed: int = 0
     served_model_name: str | None = None
     max_logprobs: int = 20
     attention_backend: str = "auto"
+    scan_layers: bool = True  # decoder layers under lax.scan; False unrolls them
     # "auto": the model folder's generation_config.json supplies sampling defaults;
     # "vllm": none (vLLM's own defaults); a folder path: that folder's file.
     generation_config: str = "auto"
@@ -85,6 +86,8 @@ class ModelConfig:
     override_generation_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         gc = self.generation_config
         if gc not in ("auto", "vllm") and not Path(gc).expanduser().is_dir():
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {gc!r}")

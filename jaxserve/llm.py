@@ -1,98 +1,13 @@
 """LLM: the offline API, with vLLM's argument names."""
 from __future__ import annotations
 
-import logging
-import os
-from typing import Sequence
-
 from tqdm.auto import tqdm
 
-from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from jaxserve.engine.arg_utils import DEFAULT_MAX_MODEL_LEN, EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.engine.model_resolver import resolve_model_path
 from jaxserve.outputs import RequestOutput
+from jaxserve.runner.compilation_cache import enable_compilation_cache
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
-
-logger = logging.getLogger("jaxserve")
-
-
-def enable_compilation_cache(path: str | None = None) -> None:
-    """JAX's persistent compilation cache: a restart reuses compiled buckets."""
-    import jax
-
-    from models.default_model import cache_root
-
-    path = path or os.environ.get("JAXSERVE_JAX_CACHE_DIR") or str(cache_root() / "jax_cache")
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def build_engine_config(
-    model: str | None = None,
-    *,
-    tokenizer: str | None = None,
-    dtype: str = "auto",
-    max_model_len: int | None = None,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int | None = None,
-    block_size: int = 16,
-    enable_prefix_caching: bool = True,
-    enable_chunked_prefill: bool = True,
-    long_prefill_token_threshold: int = 0,
-    gpu_memory_utilization: float = 0.9,
-    num_gpu_blocks_override: int | None = None,
-    kv_cache_memory: int | None = None,
-    seed: int = 0,
-    tensor_parallel_size: int = 1,
-    max_logprobs: int = 20,
-    attention_backend: str = "auto",
-    scheduling_policy: str = "fcfs",
-    served_model_name: str | None = None,
-    generation_config: str = "auto",
-    override_generation_config: dict | None = None,
-    enforce_eager: bool = False,
-    token_buckets: list[int] | None = None,
-    request_buckets: list[int] | None = None,
-    progress: bool = True,
-    default_max_model_len: int = 8192,
-) -> EngineConfig:
-    """vLLM's engine arguments -> EngineConfig. Without max_model_len: the model's own
-    limit, at most ``default_max_model_len``."""
-    from models.config import ModelArchConfig
-
-    path = resolve_model_path(model, progress=progress)
-    arch = ModelArchConfig.from_pretrained(path)
-    model_limit = arch.max_position_embeddings
-    if max_model_len is None:
-        max_model_len = min(model_limit, default_max_model_len)
-    elif max_model_len > model_limit:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {model_limit} positions")
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens = 2048 if enable_chunked_prefill else max_model_len
-    name = served_model_name or (model if model is not None else "SmolLM2-135M-Instruct")
-    model_config = ModelConfig(model=path, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
-                               seed=seed, served_model_name=name, max_logprobs=max_logprobs,
-                               attention_backend=attention_backend, generation_config=generation_config,
-                               override_generation_config=override_generation_config)
-    defaults = model_config.get_diff_sampling_param()
-    if defaults:
-        logger.info("Sampling defaults from the model's generation config: %s (a request's own values win; "
-                    "generation_config='vllm' ignores them)", defaults)
-    return EngineConfig(
-        model_config=model_config,
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-                                 gpu_memory_utilization=gpu_memory_utilization,
-                                 num_gpu_blocks_override=num_gpu_blocks_override, kv_cache_memory=kv_cache_memory),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                         max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
-                                         long_prefill_token_threshold=long_prefill_token_threshold,
-                                         policy=scheduling_policy),
-        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
-        enforce_eager=enforce_eager,
-        token_buckets=tuple(token_buckets) if token_buckets else None,
-        request_buckets=tuple(request_buckets) if request_buckets else None,
-    )
 
 
 class LLM:
@@ -103,12 +18,15 @@ class LLM:
     ...          SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
     """
 
-    def __init__(self, model: str | None = None, **kwargs) -> None:
-        use_cache = kwargs.pop("compilation_cache", True)
-        if use_cache:
+    def __init__(self, model: str | None = None, *, progress: bool = True, compilation_cache: bool = True,
+                 default_max_model_len: int = DEFAULT_MAX_MODEL_LEN, **kwargs) -> None:
+        """kwargs: EngineArgs fields (vLLM's names). ``progress``: progress bars for
+        conversion, loading and warm-up; ``compilation_cache``: JAX's persistent cache;
+        ``default_max_model_len``: the cap on the model's own limit when max_model_len is unset."""
+        if compilation_cache:
             enable_compilation_cache()
-        progress = kwargs.get("progress", True)
-        self.config = build_engine_config(model, **kwargs)
+        self.config = EngineArgs(model=model, **kwargs).create_engine_config(
+            progress=progress, default_max_model_len=default_max_model_len)
         self.llm_engine = LLMEngine(self.config, progress=progress)
         # Read once: generate() without sampling_params should not reread the file.
         self._default_sampling = self.config.model_config.get_diff_sampling_param()

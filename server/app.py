@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxserve
 from jaxserve.engine.async_llm import AsyncLLM
-from server.errors import APIError
+from server.errors import APIError, engine_dead, internal_error
 from server.metrics import PrometheusStatLogger
 from server.protocol import (
     ChatCompletionRequest,
@@ -125,7 +125,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception):
         logger.exception("unhandled error")
-        return APIError(f"Internal server error: {exc!r}", 500).to_json_response()
+        return internal_error(exc).to_json_response()
 
     # ------------------------------------------------------------------ auth
     if api_key:
@@ -147,10 +147,17 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
             return SSEResponse(result, media_type="text/event-stream")
         return JSONResponse(result.model_dump())
 
+    async def generate(kind: str, create, request, raw_request: Request):
+        """A generation route's body: log the request, run ``create(request)`` (cancelled
+        if the client disconnects first) and respond with its response or SSE stream."""
+        if not disable_log_requests:
+            logger.info("%s request: %s", kind, request.model_dump_json(exclude_unset=True)[:1000])
+        return respond(await _with_cancellation(create(request), raw_request))
+
     @app.get("/health")
     async def health():
         if async_llm.errored:
-            return APIError("The engine is dead.", 503).to_json_response()
+            return engine_dead().to_json_response()
         return Response(status_code=200)
 
     @app.get("/version")
@@ -164,17 +171,11 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request):
-        if not disable_log_requests:
-            logger.info("completion request: %s", request.model_dump_json(exclude_unset=True)[:1000])
-        result = await _with_cancellation(serving_completion.create_completion(request), raw_request)
-        return respond(result)
+        return await generate("completion", serving_completion.create_completion, request, raw_request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
-        if not disable_log_requests:
-            logger.info("chat request: %s", request.model_dump_json(exclude_unset=True)[:1000])
-        result = await _with_cancellation(serving_chat.create_chat_completion(request), raw_request)
-        return respond(result)
+        return await generate("chat", serving_chat.create_chat_completion, request, raw_request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest):

@@ -7,6 +7,7 @@ from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
+from jaxserve.engine.async_llm import EngineDeadError
 from server.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {
@@ -38,6 +39,29 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(message, 400, param)
+
+
+def engine_dead(message: str = "The engine is dead.") -> APIError:
+    return APIError(message, 503)
+
+
+def internal_error(e: BaseException) -> APIError:
+    return APIError(f"Internal server error: {e!r}", 500)
+
+
+def engine_error(e: BaseException) -> APIError:
+    """What a failure while serving a request is to the client: an APIError as it is,
+    a dead engine 503, anything else 500."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return engine_dead(f"The engine is dead: {e}")
+    return internal_error(e)
+
+
+def error_event(e: BaseException) -> str:
+    """The SSE event that reports ``e`` in a stream whose status (200) is already sent."""
+    return f"data: {engine_error(e).to_response().model_dump_json()}\n\n"
 
 
 def guess_param(message: str, fields) -> str | None:

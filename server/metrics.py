@@ -7,7 +7,7 @@ from __future__ import annotations
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from jaxserve.engine.async_llm import EngineStats, IterationStats
+from jaxserve.engine.stats import EngineStats, IterationStats
 
 # vLLM's buckets.
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

@@ -2,7 +2,6 @@
 template (add_generation_prompt), then one engine request with n choices."""
 from __future__ import annotations
 
-import logging
 import time
 from typing import AsyncIterator
 
@@ -21,10 +20,7 @@ from server.protocol import (
     UsageInfo,
     random_uuid,
 )
-from server.serving_completion import engine_error, error_event
-from server.serving_engine import OpenAIServing, clamp_logprob, merge_async_iterators
-
-logger = logging.getLogger("jaxserve.server")
+from server.serving_engine import OpenAIServing, clamp_logprob, collect_outputs, merge_async_iterators, sse_stream
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -71,7 +67,8 @@ class OpenAIServingChat(OpenAIServing):
                                           cache_salt=request.cache_salt)
         merged = merge_async_iterators(gen)
         if request.stream:
-            return self._stream(request, request_id, created, ids, merged)
+            chunks = self._stream(request, request_id, created, ids, merged)
+            return sse_stream("chat", request_id, chunks, merged)
         return await self._full(request, request_id, created, ids, merged)
 
     # ------------------------------------------------------------------ logprobs
@@ -101,24 +98,21 @@ class OpenAIServingChat(OpenAIServing):
         lps = [[] for _ in range(n)]
         finish = [(None, None)] * n
         prompt_logprobs, cached = None, 0
-        try:
-            async for _, out in merged:
-                for c in out.outputs:
-                    texts[c.index].append(c.text)
-                    token_ids[c.index].extend(c.token_ids)
-                    if c.logprobs is not None:
-                        lps[c.index].extend(c.logprobs)
-                    if c.finish_reason is not None:
-                        finish[c.index] = (c.finish_reason, c.stop_reason)
-                if out.prompt_logprobs is not None:
-                    prompt_logprobs = out.prompt_logprobs
-                cached = out.num_cached_tokens
-        except APIError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise engine_error(e) from e
-        finally:
-            await merged.aclose()
+
+        def on_output(_: int, out) -> None:
+            nonlocal prompt_logprobs, cached
+            for c in out.outputs:
+                texts[c.index].append(c.text)
+                token_ids[c.index].extend(c.token_ids)
+                if c.logprobs is not None:
+                    lps[c.index].extend(c.logprobs)
+                if c.finish_reason is not None:
+                    finish[c.index] = (c.finish_reason, c.stop_reason)
+            if out.prompt_logprobs is not None:
+                prompt_logprobs = out.prompt_logprobs
+            cached = out.num_cached_tokens
+
+        await collect_outputs(merged, on_output)
         k = request.top_logprobs or 0
         choices = [
             ChatCompletionResponseChoice(
@@ -134,13 +128,12 @@ class OpenAIServingChat(OpenAIServing):
                                       usage=usage, prompt_logprobs=self.prompt_logprobs_json(prompt_logprobs))
 
     async def _stream(self, request, request_id, created, prompt_ids, merged) -> AsyncIterator[str]:
+        """The response chunks as SSE events (sse_stream adds the error event and [DONE])."""
         n = request.n
         num_tokens = [0] * n
         role_sent = [False] * n
         cached = 0
-        opts = request.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = include_usage and bool(opts.continuous_usage_stats)
+        include_usage, continuous = self.stream_usage_options(request)
         num_prompt = len(prompt_ids)
         k = request.top_logprobs or 0
         model = self.served_model_name
@@ -156,36 +149,24 @@ class OpenAIServingChat(OpenAIServing):
             return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_tokens[j],
                              total_tokens=num_prompt + num_tokens[j]) if continuous else None
 
-        try:
-            async for _, out in merged:
-                cached = out.num_cached_tokens
-                for c in out.outputs:
-                    j = c.index
-                    if not role_sent[j]:
-                        # Sent with the first engine output (after prefill), so TTFT is honest.
-                        role_sent[j] = True
-                        yield chunk(ChatCompletionResponseStreamChoice(
-                            index=j, delta=DeltaMessage(role="assistant", content=""), logprobs=None,
-                            finish_reason=None), running_usage(j))
-                    num_tokens[j] += len(c.token_ids)
-                    lp = None
-                    if request.logprobs and c.logprobs is not None:
-                        lp = self._logprobs(c.token_ids, c.logprobs, k)
-                    choice = ChatCompletionResponseStreamChoice(index=j, delta=DeltaMessage(content=c.text),
-                                                                logprobs=lp, finish_reason=c.finish_reason)
-                    if c.finish_reason is not None:
-                        choice.stop_reason = c.stop_reason
-                    yield chunk(choice, running_usage(j))
-            if include_usage:
-                total = sum(num_tokens)
-                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=total, total_tokens=num_prompt + total)
-                details = self.usage_details(cached)
-                if details is not None:
-                    usage.prompt_tokens_details = details
-                yield chunk(None, usage)
-        except Exception as e:  # noqa: BLE001 — the status is already 200: report in the stream
-            logger.warning("chat stream %s failed: %r", request_id, e)
-            yield error_event(e)
-        finally:
-            await merged.aclose()
-        yield "data: [DONE]\n\n"
+        async for _, out in merged:
+            cached = out.num_cached_tokens
+            for c in out.outputs:
+                j = c.index
+                if not role_sent[j]:
+                    # Sent with the first engine output (after prefill), so TTFT is honest.
+                    role_sent[j] = True
+                    yield chunk(ChatCompletionResponseStreamChoice(
+                        index=j, delta=DeltaMessage(role="assistant", content=""), logprobs=None,
+                        finish_reason=None), running_usage(j))
+                num_tokens[j] += len(c.token_ids)
+                lp = None
+                if request.logprobs and c.logprobs is not None:
+                    lp = self._logprobs(c.token_ids, c.logprobs, k)
+                choice = ChatCompletionResponseStreamChoice(index=j, delta=DeltaMessage(content=c.text),
+                                                            logprobs=lp, finish_reason=c.finish_reason)
+                if c.finish_reason is not None:
+                    choice.stop_reason = c.stop_reason
+                yield chunk(choice, running_usage(j))
+        if include_usage:
+            yield chunk(None, self.final_usage(num_prompt, sum(num_tokens), cached))

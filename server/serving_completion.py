@@ -2,14 +2,12 @@
 index prompt_idx * n + choice_idx (vLLM's numbering)."""
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import AsyncIterator
 
-from jaxserve.engine.async_llm import EngineDeadError
-from server.errors import APIError, bad_request
+from server.errors import bad_request
 from server.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -20,9 +18,7 @@ from server.protocol import (
     UsageInfo,
     random_uuid,
 )
-from server.serving_engine import OpenAIServing, clamp_logprob, merge_async_iterators
-
-logger = logging.getLogger("jaxserve.server")
+from server.serving_engine import OpenAIServing, clamp_logprob, collect_outputs, merge_async_iterators, sse_stream
 
 _EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
 
@@ -41,22 +37,6 @@ class _ChoiceState:
     logprobs: list | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-
-
-def error_event(e: BaseException) -> str:
-    if isinstance(e, APIError):
-        err = e
-    elif isinstance(e, EngineDeadError):
-        err = APIError(f"The engine is dead: {e}", 503)
-    else:
-        err = APIError(f"Internal server error: {e!r}", 500)
-    return f"data: {err.to_response().model_dump_json()}\n\n"
-
-
-def engine_error(e: BaseException) -> APIError:
-    if isinstance(e, EngineDeadError):
-        return APIError(f"The engine is dead: {e}", 503)
-    return APIError(f"Internal server error: {e!r}", 500)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -118,7 +98,8 @@ class OpenAIServingCompletion(OpenAIServing):
         ]
         merged = merge_async_iterators(*generators)
         if request.stream:
-            return self._stream(request, request_id, created, inputs, merged)
+            chunks = self._stream(request, request_id, created, inputs, merged)
+            return sse_stream("completion", request_id, chunks, merged)
         return await self._full(request, request_id, created, inputs, merged)
 
     # ------------------------------------------------------------------ logprobs
@@ -157,27 +138,23 @@ class OpenAIServingCompletion(OpenAIServing):
         states = [[_ChoiceState() for _ in range(n)] for _ in inputs]
         prompt_logprobs = [None] * len(inputs)
         cached = [0] * len(inputs)
-        try:
-            async for i, out in merged:
-                for c in out.outputs:
-                    s = states[i][c.index]
-                    if c.finish_reason is not None:
-                        s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
-                    if echo_only:
-                        continue
-                    s.text.append(c.text)
-                    s.token_ids.extend(c.token_ids)
-                    if c.logprobs is not None:
-                        s.logprobs = (s.logprobs or []) + list(c.logprobs)
-                if out.prompt_logprobs is not None:
-                    prompt_logprobs[i] = out.prompt_logprobs
-                cached[i] = out.num_cached_tokens
-        except APIError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise engine_error(e) from e
-        finally:
-            await merged.aclose()
+
+        def on_output(i: int, out) -> None:
+            for c in out.outputs:
+                s = states[i][c.index]
+                if c.finish_reason is not None:
+                    s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
+                if echo_only:
+                    continue
+                s.text.append(c.text)
+                s.token_ids.extend(c.token_ids)
+                if c.logprobs is not None:
+                    s.logprobs = (s.logprobs or []) + list(c.logprobs)
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[i] = out.prompt_logprobs
+            cached[i] = out.num_cached_tokens
+
+        await collect_outputs(merged, on_output)
         choices = []
         num_generated = 0
         for i, inp in enumerate(inputs):
@@ -203,6 +180,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                   usage=usage)
 
     async def _stream(self, request, request_id, created, inputs, merged) -> AsyncIterator[str]:
+        """The response chunks as SSE events (sse_stream adds the error event and [DONE])."""
         n = request.n
         echo_only = self._echo_only(request)
         num_choices = n * len(inputs)
@@ -210,50 +188,36 @@ class OpenAIServingCompletion(OpenAIServing):
         text_offset = [0] * num_choices
         echoed = [False] * num_choices
         cached = [0] * len(inputs)
-        opts = request.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = include_usage and bool(opts.continuous_usage_stats)
+        include_usage, continuous = self.stream_usage_options(request)
         model = self.served_model_name
-        try:
-            async for i, out in merged:
-                inp = inputs[i]
-                cached[i] = out.num_cached_tokens
-                for c in out.outputs:
-                    idx = i * n + c.index
-                    text, ids, tops = ("", [], None) if echo_only else (c.text, c.token_ids, c.logprobs)
-                    if request.echo and not echoed[idx]:
-                        echoed[idx] = True
-                        text = (inp.text or "") + text
-                        if request.logprobs is not None:
-                            ids = inp.token_ids + list(ids)
-                            tops = list(out.prompt_logprobs or [None] * len(inp.token_ids)) + list(tops or [])
-                    lp = None
+        async for i, out in merged:
+            inp = inputs[i]
+            cached[i] = out.num_cached_tokens
+            for c in out.outputs:
+                idx = i * n + c.index
+                text, ids, tops = ("", [], None) if echo_only else (c.text, c.token_ids, c.logprobs)
+                if request.echo and not echoed[idx]:
+                    echoed[idx] = True
+                    text = (inp.text or "") + text
                     if request.logprobs is not None:
-                        lp = self._logprobs(ids, tops, request.logprobs, text_offset[idx])
-                    text_offset[idx] += len(text)
-                    num_tokens[idx] += 0 if echo_only else len(c.token_ids)
-                    chunk = CompletionStreamResponse(
-                        id=request_id, object="text_completion", created=created, model=model,
-                        choices=[CompletionResponseStreamChoice(index=idx, text=text, logprobs=lp,
-                                                                finish_reason=c.finish_reason,
-                                                                stop_reason=c.stop_reason)])
-                    if continuous:
-                        p = len(inp.token_ids)
-                        chunk.usage = UsageInfo(prompt_tokens=p, completion_tokens=num_tokens[idx],
-                                                total_tokens=p + num_tokens[idx])
-                    yield self.sse(chunk)
-            if include_usage:
-                num_prompt = sum(len(inp.token_ids) for inp in inputs)
-                total = sum(num_tokens)
-                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=total, total_tokens=num_prompt + total)
-                details = self.usage_details(sum(cached))
-                if details is not None:
-                    usage.prompt_tokens_details = details
-                yield self.sse(CompletionStreamResponse(id=request_id, object="text_completion", created=created,
-                                                        model=model, choices=[], usage=usage))
-        except Exception as e:  # noqa: BLE001 — the status is already 200: report in the stream
-            logger.warning("completion stream %s failed: %r", request_id, e)
-            yield error_event(e)
-        finally:
-            await merged.aclose()
-        yield "data: [DONE]\n\n"
+                        ids = inp.token_ids + list(ids)
+                        tops = list(out.prompt_logprobs or [None] * len(inp.token_ids)) + list(tops or [])
+                lp = None
+                if request.logprobs is not None:
+                    lp = self._logprobs(ids, tops, request.logprobs, text_offset[idx])
+                text_offset[idx] += len(text)
+                num_tokens[idx] += 0 if echo_only else len(c.token_ids)
+                chunk = CompletionStreamResponse(
+                    id=request_id, object="text_completion", created=created, model=model,
+                    choices=[CompletionResponseStreamChoice(index=idx, text=text, logprobs=lp,
+                                                            finish_reason=c.finish_reason,
+                                                            stop_reason=c.stop_reason)])
+                if continuous:
+                    p = len(inp.token_ids)
+                    chunk.usage = UsageInfo(prompt_tokens=p, completion_tokens=num_tokens[idx],
+                                            total_tokens=p + num_tokens[idx])
+                yield self.sse(chunk)
+        if include_usage:
+            usage = self.final_usage(sum(len(inp.token_ids) for inp in inputs), sum(num_tokens), sum(cached))
+            yield self.sse(CompletionStreamResponse(id=request_id, object="text_completion", created=created,
+                                                    model=model, choices=[], usage=usage))

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from server.errors import APIError, bad_request, guess_param
+from server.errors import APIError, bad_request, engine_dead, engine_error, error_event, guess_param
+from server.protocol import UsageInfo
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -45,12 +47,19 @@ class OpenAIServing:
 
     def check_engine(self) -> None:
         if self.engine_client.errored:
-            raise APIError("The engine is dead; restart the server.", 503)
+            raise engine_dead("The engine is dead; restart the server.")
 
     @staticmethod
     def check_stream_options(request) -> None:
         if request.stream_options is not None and not request.stream:
             raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
+
+    @staticmethod
+    def stream_usage_options(request) -> tuple[bool, bool]:
+        """(include_usage, continuous_usage_stats) from the request's stream_options."""
+        opts = request.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        return include_usage, include_usage and bool(opts.continuous_usage_stats)
 
     @staticmethod
     def check_unsupported(request) -> None:
@@ -193,6 +202,16 @@ class OpenAIServing:
 
         return PromptTokenUsageInfo(cached_tokens=num_cached_tokens) if self.enable_prompt_tokens_details else None
 
+    def final_usage(self, num_prompt_tokens: int, num_generated_tokens: int, num_cached_tokens: int) -> UsageInfo:
+        """The usage a stream sends last (stream_options.include_usage). prompt_tokens_details
+        is set only when enabled, so that otherwise it stays unset (left out of the chunk)."""
+        usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated_tokens,
+                          total_tokens=num_prompt_tokens + num_generated_tokens)
+        details = self.usage_details(num_cached_tokens)
+        if details is not None:
+            usage.prompt_tokens_details = details
+        return usage
+
     @staticmethod
     def prompt_logprobs_json(prompt_logprobs) -> list | None:
         """[None | {token_id: Logprob}] -> JSON-ready (vLLM's shape)."""
@@ -207,6 +226,41 @@ class OpenAIServing:
         if hasattr(payload, "model_dump_json"):
             return f"data: {payload.model_dump_json(exclude_unset=True)}\n\n"
         return f"data: {json.dumps(payload)}\n\n"
+
+
+async def collect_outputs(merged: AsyncGenerator[tuple[int, RequestOutput], None],
+                          on_output: Callable[[int, RequestOutput], None]) -> None:
+    """A non-streaming response's loop: hand each (prompt index, output) of ``merged`` to
+    ``on_output`` until every request has finished. A failure that is not already an
+    APIError becomes one (503 when the engine is dead, else 500); ``merged`` is closed
+    in any case (aborting what is still running)."""
+    try:
+        async for i, out in merged:
+            on_output(i, out)
+    except APIError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise engine_error(e) from e
+    finally:
+        await merged.aclose()
+
+
+async def sse_stream(kind: str, request_id: str, chunks: AsyncGenerator[str, None],
+                     merged: AsyncGenerator[tuple[int, RequestOutput], None]) -> AsyncIterator[str]:
+    """A streaming response: the SSE ``chunks``, then ``data: [DONE]``. The status (200)
+    has gone out with the first chunk, so a failure is reported as an error event in the
+    stream; ``merged`` (what ``chunks`` reads) is closed in any case, aborting what is
+    still running."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as e:  # noqa: BLE001
+        logger.warning("%s stream %s failed: %r", kind, request_id, e)
+        yield error_event(e)
+    finally:
+        await chunks.aclose()
+        await merged.aclose()
+    yield "data: [DONE]\n\n"
 
 
 async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:

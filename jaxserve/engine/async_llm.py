@@ -1,6 +1,6 @@
 """AsyncLLM: the engine for the server. One background thread owns the LLMEngine and
-runs its step loop; asyncio callers talk to it through a thread-safe inbox (requests,
-aborts) and get outputs back on per-request asyncio queues.
+runs its step loop; asyncio callers talk to it through a thread-safe inbox of commands
+(AddRequest, AbortRequest) and get outputs back on per-request asyncio queues.
 
 Threads:
 - the engine thread is the only one that touches the LLMEngine (scheduler, runner,
@@ -22,13 +22,16 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from dataclasses import dataclass
+from typing import AsyncIterator
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import PrefixCachingMetrics
+from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.stats import EngineStats, FinishedRequestStats, IterationStats, StatLogger
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.runner.compilation_cache import enable_compilation_cache
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jaxserve")
@@ -36,48 +39,6 @@ logger = logging.getLogger("jaxserve")
 
 class EngineDeadError(RuntimeError):
     """The engine loop failed (or was shut down); no request can be served any more."""
-
-
-# ----------------------------------------------------------------------------- stats
-@dataclass
-class FinishedRequestStats:
-    finish_reason: str  # "stop" | "length" | "abort"
-    e2e_latency: float  # seconds from arrival to the final output
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    time_to_first_token: float | None  # None: finished before any token (abort)
-    mean_time_per_output_token: float | None  # (e2e - ttft) / (tokens - 1); None if < 2 tokens
-
-
-@dataclass
-class IterationStats:
-    """What one engine-loop iteration produced (for stat loggers)."""
-
-    num_prompt_tokens: int = 0  # prompts whose first token arrived this iteration
-    num_generation_tokens: int = 0
-    time_to_first_tokens: list[float] = field(default_factory=list)
-    inter_token_latencies: list[float] = field(default_factory=list)  # per output, per choice
-    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot the engine thread publishes after every loop iteration."""
-
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    num_unfinished_requests: int = 0  # engine-side, children of n > 1 counted separately
-    kv_cache_usage: float = 0.0  # fraction of usable blocks in use
-    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
-    prefix_cache_hits: int = 0  # cumulative tokens found in the cache
-    prefix_cache_hit_rate: float = 0.0  # over the most recent requests
-    num_preemptions: int = 0
-    num_steps: int = 0
-
-
-class StatLogger(Protocol):
-    def record(self, engine_stats: EngineStats, iteration_stats: IterationStats | None) -> None:
-        """Called on the engine thread after each iteration; must be quick and thread-safe."""
 
 
 # ----------------------------------------------------------------------------- streams
@@ -115,6 +76,29 @@ def _deliver(items: list) -> None:
             stream.queue.put_nowait(item)
 
 
+# ----------------------------------------------------------------------------- inbox commands
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    """Caller -> engine thread: add a request, already tokenized and validated."""
+
+    stream: RequestStream
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """Caller -> engine thread: abort the engine request ``stream`` was added as."""
+
+    stream: RequestStream
+
+
+EngineCommand = AddRequest | AbortRequest
+
+
 # ----------------------------------------------------------------------------- AsyncLLM
 class AsyncLLM:
     """Asynchronous front of an LLMEngine whose loop runs in a background thread."""
@@ -133,7 +117,7 @@ class AsyncLLM:
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
 
         self._cond = threading.Condition()
-        self._inbox: deque = deque()  # guarded by _cond
+        self._inbox: deque[EngineCommand] = deque()  # guarded by _cond
         self._shutdown = False
         self._dead_error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}  # guarded by _streams_lock
@@ -147,15 +131,12 @@ class AsyncLLM:
             self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, model: str | None = None, *, compilation_cache: bool = True,
-                         stat_loggers: list[StatLogger] | None = None, **kwargs) -> "AsyncLLM":
-        """Same arguments as ``jaxserve.LLM`` (vLLM's names)."""
-        from jaxserve.llm import build_engine_config, enable_compilation_cache
-
+    def from_engine_args(cls, engine_args: EngineArgs, *, progress: bool = True, compilation_cache: bool = True,
+                         stat_loggers: list[StatLogger] | None = None) -> "AsyncLLM":
+        """Build the engine from EngineArgs (vLLM's names), as ``jaxserve serve`` does."""
         if compilation_cache:
             enable_compilation_cache()
-        progress = kwargs.get("progress", True)
-        return cls(build_engine_config(model, **kwargs), progress=progress, stat_loggers=stat_loggers)
+        return cls(engine_args.create_engine_config(progress=progress), progress=progress, stat_loggers=stat_loggers)
 
     # ------------------------------------------------------------------ state
     @property
@@ -220,7 +201,7 @@ class AsyncLLM:
             with self._streams_lock:
                 self._streams.pop(request_id, None)
             self.check_health()
-        self._post(("add", stream, text, ids, params, priority, cache_salt))
+        self._post(AddRequest(stream, text, ids, params, priority, cache_salt))
         finished = False
         seen_finished: set[int] = set()  # choices whose finish the caller has been given
         try:
@@ -247,7 +228,7 @@ class AsyncLLM:
                 # Cancelled or closed by the caller (client disconnect): stop the request.
                 # The abort names this stream, so a late close cannot hit a newer request
                 # that reuses the id.
-                self._post(("abort", stream))
+                self._post(AbortRequest(stream))
 
     @classmethod
     def _merge(cls, items: list, stream: RequestStream, seen_finished: set[int]):
@@ -320,7 +301,7 @@ class AsyncLLM:
                     except RuntimeError:  # the loop is closed: nobody is listening
                         pass
             if stream is not None:
-                self._post(("abort", stream))
+                self._post(AbortRequest(stream))
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine loop; pending requests fail with EngineDeadError."""
@@ -334,7 +315,7 @@ class AsyncLLM:
         self._fail_all_streams(EngineDeadError("the engine was shut down"))
 
     # ------------------------------------------------------------------ engine thread
-    def _post(self, cmd) -> None:
+    def _post(self, cmd: EngineCommand) -> None:
         with self._cond:
             self._inbox.append(cmd)
             self._cond.notify()
@@ -355,10 +336,10 @@ class AsyncLLM:
                     self._apply(cmd, iteration)
                 by_loop: dict = {}
                 if engine.has_unfinished_requests():
-                    steps_before = engine.engine_core.step_count
+                    steps_before = engine.num_steps
                     outputs = engine.step_with_states()
                     by_loop = self._collect(outputs, iteration)
-                    if not outputs and engine.engine_core.step_count == steps_before:
+                    if not outputs and engine.num_steps == steps_before:
                         # Work exists but nothing could be scheduled: wait for an inbox
                         # change instead of spinning.
                         with self._cond:
@@ -372,28 +353,27 @@ class AsyncLLM:
             self._dead_error = e
             self._fail_all_streams(EngineDeadError(f"the engine loop failed: {e!r}"))
 
-    def _apply(self, cmd, iteration: IterationStats) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            _, stream, text, ids, params, priority, cache_salt = cmd
+    def _apply(self, cmd: EngineCommand, iteration: IterationStats) -> None:
+        if isinstance(cmd, AddRequest):
+            stream = cmd.stream
             if stream.closed:  # aborted before it reached the engine
                 return
             try:
-                self.engine.add_tokenized_request(stream.request_id, text, ids, params, priority=priority,
-                                                  cache_salt=cache_salt, queue=stream)
+                self.engine.add_tokenized_request(stream.request_id, cmd.prompt, cmd.prompt_token_ids, cmd.params,
+                                                  priority=cmd.priority, cache_salt=cmd.cache_salt, stream=stream)
             except (ValueError, TypeError) as e:
                 self._send(stream, e)
-        elif kind == "abort":
-            stream = cmd[1]
+        elif isinstance(cmd, AbortRequest):
+            stream = cmd.stream
             # Only the engine request this stream was added as: the id may since have
             # been reused by a newer request.
             ids = self.engine.engine_request_ids(stream.request_id)
-            if not ids or self.engine.output_processor.request_states[ids[0]].queue is not stream:
+            if not ids or self.engine.output_processor.request_states[ids[0]].stream is not stream:
                 return
             for _, out in self.engine.abort_request(stream.request_id):
                 self._account(stream, out, time.monotonic(), iteration)
         else:
-            raise AssertionError(f"unknown command {kind}")
+            raise AssertionError(f"unknown command {cmd!r}")
 
     @staticmethod
     def _send(stream: RequestStream, item) -> None:
@@ -407,7 +387,7 @@ class AsyncLLM:
         now = time.monotonic()
         by_loop: dict = {}
         for st, out in outputs:
-            stream = st.queue
+            stream = st.stream
             if not isinstance(stream, RequestStream):
                 continue
             self._account(stream, out, now, iteration)
@@ -450,7 +430,7 @@ class AsyncLLM:
 
     def _publish_stats(self, iteration: IterationStats) -> None:
         engine = self.engine
-        s = engine.engine_core.scheduler.make_stats()
+        s = engine.make_stats()
         pcs = s.prefix_cache_stats
         self._prefix_metrics.observe(pcs)
         self._prefix_queries += pcs.queries
@@ -461,7 +441,7 @@ class AsyncLLM:
                                         s.num_running_reqs + s.num_waiting_reqs),
             kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=self._prefix_queries,
             prefix_cache_hits=self._prefix_hits, prefix_cache_hit_rate=self._prefix_metrics.hit_rate,
-            num_preemptions=s.num_preemptions, num_steps=engine.engine_core.step_count,
+            num_preemptions=s.num_preemptions, num_steps=engine.num_steps,
         )
         for lg in self.stat_loggers:
             try:

@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import logging
-import time
 
 from jaxserve.config import EngineConfig
-from jaxserve.core.sched.scheduler import Scheduler
+from jaxserve.core.sched.scheduler import Scheduler, SchedulerStats
 from jaxserve.outputs import EngineCoreOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.model_runner import ModelRunner
@@ -35,6 +34,13 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests()
+
+    @property
+    def num_steps(self) -> int:
+        return self.step_count
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
 
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()

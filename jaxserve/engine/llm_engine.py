@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer
 
@@ -14,6 +15,11 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from jaxserve.core.sched.scheduler import Scheduler, SchedulerStats
+    from jaxserve.engine.async_llm import RequestStream  # async_llm imports this module
+    from jaxserve.runner.model_runner import ModelRunner
+
 logger = logging.getLogger("jaxserve")
 
 
@@ -24,7 +30,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or mc.model)
         self.engine_core = EngineCore(config, mc.model, progress=progress)
-        runner = self.engine_core.model_runner
+        runner = self.model_runner
         eos = set(runner.arch.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -40,15 +46,46 @@ class LLMEngine:
         # caller's request id -> engine request ids (children of n > 1), while unfinished.
         self._children: dict[str, list[str]] = {}
 
+    # --------------------------------------------------------------- accessors
+    @property
+    def model_runner(self) -> ModelRunner:
+        return self.engine_core.model_runner
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.engine_core.scheduler
+
+    @property
+    def num_steps(self) -> int:
+        """Engine steps that ran the model so far."""
+        return self.engine_core.num_steps
+
+    @property
+    def warmup_seconds(self) -> float:
+        return self.engine_core.warmup_seconds
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_runner.vocab_size
+
+    @property
+    def num_compiled_programs(self) -> int:
+        return self.model_runner.num_compiled_programs
+
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's stats snapshot."""
+        return self.engine_core.make_stats()
+
     # --------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt, params: SamplingParams, *, priority: int = 0,
-                    cache_salt: str | None = None, add_special_tokens: bool = True, queue=None) -> None:
+                    cache_salt: str | None = None, add_special_tokens: bool = True,
+                    stream: RequestStream | None = None) -> None:
         text, ids = self.input_processor.tokenize(prompt, add_special_tokens=add_special_tokens)
         self.add_tokenized_request(request_id, text, ids, params, priority=priority, cache_salt=cache_salt,
-                                   queue=queue)
+                                   stream=stream)
 
     def add_tokenized_request(self, request_id: str, text, ids: list[int], params: SamplingParams, *,
-                              priority: int = 0, cache_salt: str | None = None, queue=None,
+                              priority: int = 0, cache_salt: str | None = None, stream: RequestStream | None = None,
                               arrival_time: float | None = None) -> None:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -61,12 +98,12 @@ class LLMEngine:
         ]
         # Checked before anything changes. Child ids ("0_x") share the engine's id space
         # with caller ids, so a caller's "0_x" must not clash with request "x"'s first child.
-        states, running = self.output_processor.request_states, self.engine_core.scheduler.requests
+        states, running = self.output_processor.request_states, self.scheduler.requests
         if request_id in self._children or any(c[0] in states or c[0] in running for c in children):
             raise ValueError(f"request id {request_id!r} is already in use")
         self._children[request_id] = [c[0] for c in children]
         for child_id, index, child_params in children:
-            self.output_processor.add_request(child_id, request_id, index, text, ids, resolved, queue=queue,
+            self.output_processor.add_request(child_id, request_id, index, text, ids, resolved, stream=stream,
                                               arrival_time=arrival_time)
             self.engine_core.add_request(Request(
                 child_id, ids, child_params, None if params.ignore_eos else self.eos_token_id,

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import CompletionOutput, EngineCoreOutput, Logprob, LogprobsLists, RequestOutput
 from jaxserve.request import FinishReason
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:  # async_llm imports llm_engine, which imports this module
+    from jaxserve.engine.async_llm import RequestStream
 
 
 @dataclass
@@ -42,7 +46,7 @@ class RequestState:
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-    queue: object = None  # per-request output queue (AsyncLLM)
+    stream: RequestStream | None = None  # AsyncLLM's per-request hand-over point; None for the offline LLM
 
 
 class OutputProcessor:
@@ -52,7 +56,7 @@ class OutputProcessor:
         self.parents: dict[str, ParentRequest] = {}
 
     def add_request(self, request_id: str, external_id: str, index: int, prompt: str | None,
-                    prompt_token_ids: list[int], params: SamplingParams, queue=None,
+                    prompt_token_ids: list[int], params: SamplingParams, stream: RequestStream | None = None,
                     arrival_time: float | None = None) -> None:
         parent = None
         if params.n > 1:
@@ -65,7 +69,7 @@ class OutputProcessor:
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
-            queue=queue,
+            stream=stream,
         )
         if arrival_time is not None:
             state.arrival_time = arrival_time

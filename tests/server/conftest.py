@@ -24,8 +24,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_async_llm(tiny_model_dir):
     """One warmed-up AsyncLLM over the tiny model, shared by the tiny-model modules."""
+    from jaxserve.engine.arg_utils import EngineArgs
     from jaxserve.engine.async_llm import AsyncLLM
 
-    llm = AsyncLLM.from_engine_args(str(tiny_model_dir), **TINY_ENGINE_ARGS)
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), **TINY_ENGINE_ARGS), progress=False)
     yield llm
     llm.shutdown()

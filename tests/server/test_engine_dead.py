@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 
+from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError
 from jaxserve.sampling_params import SamplingParams
 from server.app import build_app
@@ -17,7 +18,7 @@ from tests.server.harness import TINY_ENGINE_ARGS, RunningServer, wait_until
 @pytest.fixture(scope="module")
 def doomed(tiny_model_dir):
     # Its own engine (this test kills it); the compilation cache makes the warm-up cheap.
-    llm = AsyncLLM.from_engine_args(str(tiny_model_dir), **TINY_ENGINE_ARGS)
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), **TINY_ENGINE_ARGS), progress=False)
     srv = RunningServer(build_app(llm, "tiny"))
     yield llm, srv
     srv.stop()

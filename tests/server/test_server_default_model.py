@@ -20,10 +20,11 @@ NAME = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def default_server():
+    from jaxserve.engine.arg_utils import EngineArgs
     from jaxserve.engine.async_llm import AsyncLLM
 
-    llm = AsyncLLM.from_engine_args(None, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64,
-                                    kv_cache_memory=64 << 20, progress=False)
+    llm = AsyncLLM.from_engine_args(EngineArgs(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64,
+                                               kv_cache_memory=64 << 20), progress=False)
     srv = RunningServer(build_app(llm, NAME))
     yield srv
     srv.stop()

@@ -1,0 +1,203 @@
+"""EngineArgs: every engine setting, its default and its help, written once (vLLM's
+``engine/arg_utils.py``).
+
+``LLM(**kwargs)``, ``AsyncLLM.from_engine_args``, ``jaxserve generate`` and
+``jaxserve serve`` all build their EngineConfig here::
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    config = EngineArgs.from_cli_args(parser.parse_args()).create_engine_config()
+
+A field's CLI flag is its name with dashes; booleans get ``--x/--no-x``. Flags of the
+front ends (host, port, prompt, ...) live with the front end, not here.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxserve.config import (
+    DTYPES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from jaxserve.core.sched.request_queue import SchedulingPolicy
+
+logger = logging.getLogger("jaxserve")
+
+# Without --max-model-len: the model's own limit, at most this (a 128k-context model
+# would otherwise size every per-request array and the KV budget for 128k tokens).
+DEFAULT_MAX_MODEL_LEN = 8192
+# --max-num-batched-tokens default with chunked prefill (without it: max_model_len).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def _attention_backends() -> tuple[str, ...]:
+    from pallas_kernels.backend import BACKENDS
+
+    return BACKENDS
+
+
+def _arg(help: str, **cli) -> dict:
+    """Field metadata: the CLI help text and extra argparse keywords (choices, flags)."""
+    return {"help": help, **cli}
+
+
+@dataclass(kw_only=True)
+class EngineArgs:
+    # ------------------------------------------------------------------ model
+    model: str | None = field(default=None, metadata=_arg(
+        "HF model folder, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)."))
+    tokenizer: str | None = field(default=None, metadata=_arg("Tokenizer folder or id (default: the model's)."))
+    served_model_name: str | None = field(default=None, metadata=_arg(
+        "Model name in the API (default: the model argument, or SmolLM2-135M-Instruct)."))
+    dtype: str = field(default="auto", metadata=_arg(
+        "Weights / activation dtype (auto: float32 on CPU, bfloat16 on accelerators).", choices=DTYPES))
+    max_model_len: int | None = field(default=None, metadata=_arg(
+        f"Context length (default: the model's, at most {DEFAULT_MAX_MODEL_LEN})."))
+    seed: int = field(default=0, metadata=_arg("Seed for unseeded sampling."))
+    max_logprobs: int = field(default=20, metadata=_arg("Most logprobs a request may ask for."))
+    attention_backend: str = field(default="auto", metadata=_arg(
+        "Attention implementation (auto: pallas on GPU/TPU, reference on CPU).", choices=_attention_backends))
+    scan_layers: bool = field(default=True, metadata=_arg(
+        "Run the decoder layers under lax.scan (compile time flat in depth); --no-scan-layers unrolls them."))
+    generation_config: str = field(default="auto", metadata=_arg(
+        "Where request sampling defaults come from: 'auto' (the model's generation_config.json), "
+        "'vllm' (none: OpenAI's defaults) or a folder holding a generation_config.json."))
+    override_generation_config: dict[str, Any] | None = field(default=None, metadata=_arg(
+        'JSON object applied on top, e.g. \'{"temperature": 0.5, "max_new_tokens": 128}\'.'))
+    # ------------------------------------------------------------------ KV cache
+    block_size: int = field(default=16, metadata=_arg("KV cache block size in tokens."))
+    enable_prefix_caching: bool = field(default=True, metadata=_arg("Reuse cached KV blocks of shared prefixes."))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_arg(
+        "Fraction of device memory for weights + KV cache."))
+    num_gpu_blocks_override: int | None = field(default=None, metadata=_arg("Use exactly this many KV blocks."))
+    kv_cache_memory: int | None = field(default=None, metadata=_arg(
+        "KV cache size in bytes (overrides the measured budget; the CPU default is 1 GiB)."))
+    # ------------------------------------------------------------------ scheduler
+    max_num_seqs: int = field(default=64, metadata=_arg("Requests running at once."))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_arg(
+        f"Token budget per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS}; max_model_len without chunked "
+        "prefill)."))
+    enable_chunked_prefill: bool = field(default=True, metadata=_arg(
+        "Split long prompts over several steps."))
+    long_prefill_token_threshold: int = field(default=0, metadata=_arg(
+        "Most tokens one prefill takes per step (0: no cap)."))
+    scheduling_policy: str = field(default="fcfs", metadata=_arg(
+        "Order of the waiting queue.", choices=tuple(p.value for p in SchedulingPolicy)))
+    # ------------------------------------------------------------------ parallelism
+    tensor_parallel_size: int = field(default=1, metadata=_arg("Devices to shard the model over.", flags=("-tp",)))
+    # ------------------------------------------------------------------ compilation
+    enforce_eager: bool = field(default=False, metadata=_arg("Skip the start-up warm-up (compile on demand)."))
+    token_buckets: list[int] | None = field(default=None, metadata=_arg(
+        "Padded token counts the step compiles for (default: powers of two up to max_num_batched_tokens)."))
+    request_buckets: list[int] | None = field(default=None, metadata=_arg(
+        "Padded request counts the sampler compiles for (default: powers of two up to max_num_seqs)."))
+
+    # ------------------------------------------------------------------ CLI
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add one flag per field (the model also as an optional positional argument)."""
+        hints = typing.get_type_hints(cls)
+        group = parser.add_argument_group("engine arguments")
+        for f in dataclasses.fields(cls):
+            meta = dict(f.metadata)
+            flags = (f"--{f.name.replace('_', '-')}", *meta.pop("flags", ()))
+            help_text = meta.pop("help")
+            if callable(meta.get("choices")):
+                meta["choices"] = meta["choices"]()
+            kind = _base_type(hints[f.name])
+            if f.name == "model":
+                group.add_argument("model", nargs="?", default=None, help=help_text)
+                group.add_argument("--model", dest="model_option", default=None, help=argparse.SUPPRESS)
+                continue
+            if kind is bool:
+                meta["action"] = argparse.BooleanOptionalAction
+            elif kind is list:
+                meta.update(type=int, nargs="+")
+            elif kind is dict:
+                meta["type"] = _json_object
+            else:
+                meta["type"] = kind
+            default = f.default
+            if default is not None and kind is not bool:
+                help_text = f"{help_text.rstrip('.')} (default: {default})."
+            group.add_argument(*flags, dest=f.name, default=default, help=help_text, **meta)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        if values.get("model") is None:
+            values["model"] = getattr(args, "model_option", None)
+        return cls(**values)
+
+    # ------------------------------------------------------------------ config
+    def create_engine_config(self, *, progress: bool = True,
+                             default_max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> EngineConfig:
+        """Resolve the model (converting a GGUF once), fill the defaults that depend on
+        it and validate everything (ValueError naming the setting).
+        ``default_max_model_len`` caps the model's own limit when max_model_len is unset."""
+        from jaxserve.engine.model_resolver import resolve_model_path
+        from models.config import ModelArchConfig
+        from models.default_model import DEFAULT_MODEL_NAME
+
+        path = resolve_model_path(self.model, progress=progress)
+        model_limit = ModelArchConfig.from_pretrained(path).max_position_embeddings
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = min(model_limit, default_max_model_len)
+        elif max_model_len > model_limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {model_limit} positions")
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill else max_model_len
+        model_config = ModelConfig(
+            model=path, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
+            served_model_name=self.served_model_name or self.model or DEFAULT_MODEL_NAME,
+            max_logprobs=self.max_logprobs, attention_backend=self.attention_backend, scan_layers=self.scan_layers,
+            generation_config=self.generation_config, override_generation_config=self.override_generation_config)
+        defaults = model_config.get_diff_sampling_param()
+        if defaults:
+            logger.info("Sampling defaults from the model's generation config: %s (a request's own values win; "
+                        "generation_config='vllm' ignores them)", defaults)
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override, kv_cache_memory=self.kv_cache_memory),
+            scheduler_config=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+                max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.scheduling_policy),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            enforce_eager=self.enforce_eager,
+            token_buckets=tuple(self.token_buckets) if self.token_buckets else None,
+            request_buckets=tuple(self.request_buckets) if self.request_buckets else None,
+        )
+
+
+def _base_type(hint) -> type:
+    """int | None -> int; list[int] | None -> list; dict[str, Any] | None -> dict."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return typing.get_origin(hint) or hint
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
