@@ -1,7 +1,14 @@
-"""Attention backend dispatch: one ragged paged-attention callable per (backend, platform).
+"""Attention backend dispatch: the whole per-layer attention for (backend, platform, mesh).
 
-The runner calls ``get_attention_fn(backend, jax.default_backend(), interpret=...)`` while
-tracing its jitted step; every returned callable has the reference's signature::
+``build_attention`` is what a model step calls per layer: write the new tokens' K/V,
+then ragged paged attention, under ``shard_map`` when the mesh splits heads::
+
+    attention(q [T, N, H], k [T, K, H], v [T, K, H], kv_cache [L, P, S, 2K, H], layer, md)
+        -> (o [T, N, H], kv_cache)
+
+(``md``: the step's AttentionMetadata: slot_mapping, seq_lens, query_start_loc,
+block_tables, num_seqs.) ``get_attention_fn`` is the kernel alone; every kernel has the
+reference's signature::
 
     fn(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
        sm_scale, sliding_window=None, soft_cap=None, layer=None) -> o
@@ -11,12 +18,19 @@ tracing its jitted step; every returned callable has the reference's signature::
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import reference
 
 BACKENDS = ("auto", "reference", "pallas")
+# The KV cache [L, P, S, 2K, H] is split by KV heads (axis 3) over the mesh's 'model'
+# axis; query heads [T, N, H] split the same way, so each device attends on its own.
+KV_CACHE_PARTITION = P(None, None, None, "model", None)
+_HEADS_PARTITION = P(None, "model", None)
 _PLATFORM_ALIASES = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "cpu"}
 
 
@@ -58,3 +72,41 @@ def get_attention_fn(backend: str = "auto", platform: str | None = None, interpr
     if plat == "cpu" and not interpret:
         interpret = True
     return functools.partial(tpu.ragged_paged_attention, interpret=interpret)
+
+
+def get_kv_write_fn(backend: str = "auto", platform: str | None = None, interpret=False):
+    """The KV-cache write for ``backend`` on ``platform``: the Pallas DMA kernel with
+    the TPU kernel (on cpu in interpret mode, as get_attention_fn), the reference
+    scatter everywhere else (XLA updates the donated cache in place on CPU and GPU)."""
+    backend, plat = resolve_backend(backend, platform)
+    if backend == "reference" or plat == "gpu":
+        return reference.write_kv_cache
+    from pallas_kernels import kv_cache_update
+
+    return functools.partial(kv_cache_update.write_kv_cache, interpret=interpret or plat == "cpu")
+
+
+def build_attention(backend: str, platform: str | None, mesh: Mesh | None, *, sm_scale: float,
+                    sliding_window: int | None = None, interpret=False) -> Callable:
+    """The per-layer attention of a model step (see the module docstring).
+
+    The KV write comes first, per layer, so a request later in the batch sees blocks an
+    earlier request of the same step just filled (prefix dedup). With a mesh whose
+    'model' axis has more than one device, both run under shard_map, each device on
+    its own heads and its own slice of the cache: a Pallas kernel has no partitioning
+    rule, and left to GSPMD its operands, the whole stacked cache included, would be
+    gathered onto every device."""
+    attend = get_attention_fn(backend, platform, interpret=interpret)
+    write = get_kv_write_fn(backend, platform, interpret=interpret)
+
+    def local(q, k, v, kv_cache, layer, md):
+        kv_cache = write(kv_cache, k, v, md.slot_mapping, layer=layer)
+        o = attend(q, kv_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
+                   sm_scale=sm_scale, sliding_window=sliding_window, layer=layer)
+        return o, kv_cache
+
+    if mesh is None or mesh.shape["model"] == 1:
+        return local
+    heads = _HEADS_PARTITION
+    return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, KV_CACHE_PARTITION, P(), P()),
+                         out_specs=(heads, KV_CACHE_PARTITION), check_vma=False)

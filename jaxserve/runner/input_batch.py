@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxserve.sample.metadata import SamplingMetadata
 from jaxserve.sampling_params import SamplingParams
 
 # Stop ids masked while a request is below min_tokens (EOS + stop_token_ids).
@@ -110,6 +111,31 @@ class InputBatch:
 
     def output_token_ids(self, i: int) -> list[int]:
         return self.token_ids[i, self.num_prompt_tokens[i] : self.num_tokens[i]].tolist()
+
+    def make_sampling_metadata(self, rows: np.ndarray, *, use_penalties: bool) -> SamplingMetadata:
+        """The sampling arrays of ``rows`` ([R] row indices, padded to the request bucket
+        with any row: padded rows' samples are dropped). The one place they are built,
+        for serving and for the warm-up (whose rows are those of an empty batch).
+        Without penalties the token history is a [R, 1] dummy (the penalty-free program
+        never reads it)."""
+        num_out = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        if use_penalties:
+            history, total_lens = self.token_ids[rows], self.num_tokens[rows]
+        else:
+            history, total_lens = np.zeros((len(rows), 1), np.int32), np.zeros(len(rows), np.int32)
+        return SamplingMetadata(
+            temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows],
+            min_p=self.min_p[rows], presence_penalty=self.presence_penalty[rows],
+            frequency_penalty=self.frequency_penalty[rows], repetition_penalty=self.repetition_penalty[rows],
+            seeds=self.seeds[rows], output_pos=num_out.astype(np.int32),
+            # Stop ids are banned only while a request is below min_tokens.
+            stop_ids_masked=np.where((num_out < self.min_tokens[rows])[:, None], self.stop_ids[rows],
+                                     -1).astype(np.int32),
+            token_history=history, prompt_lens=self.num_prompt_tokens[rows], total_lens=total_lens.astype(np.int32),
+        )
+
+    def is_greedy(self, rows: np.ndarray) -> bool:
+        return bool(np.all(self.temperature[rows] == 0))
 
     def uses_penalties(self, rows: np.ndarray) -> bool:
         return bool(

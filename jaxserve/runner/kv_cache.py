@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxserve.core.kv_cache_utils import get_max_concurrency
 from models.config import ModelArchConfig
+from pallas_kernels.backend import KV_CACHE_PARTITION
 
 logger = logging.getLogger("jaxserve")
 
@@ -70,8 +70,8 @@ def determine_num_blocks(
 
 
 def kv_cache_sharding(mesh) -> NamedSharding:
-    # Shard KV heads (axis 3) over 'model' for tensor parallelism.
-    return NamedSharding(mesh, P(None, None, None, "model", None))
+    """KV heads (axis 3) split over 'model' for tensor parallelism, as attention expects."""
+    return NamedSharding(mesh, KV_CACHE_PARTITION)
 
 
 def allocate_kv_cache(c: ModelArchConfig, num_blocks: int, block_size: int, dtype, mesh) -> jax.Array:

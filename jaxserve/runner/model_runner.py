@@ -9,7 +9,7 @@ Pmax = pages of max_model_len).
 """
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import logging
 import time
 
@@ -17,28 +17,47 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 from jaxserve.runner.bucketing import BucketTable, power_of_two_buckets
 from jaxserve.runner.input_batch import CachedRequestState, InputBatch
 from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks, kv_cache_sharding
+from jaxserve.runner.program_key import ModelStepKey, ProgramKey, PromptLogprobsKey, SampleKey
 from jaxserve.sample.metadata import SamplingMetadata
 from jaxserve.sample.sampler import compute_logprobs, sample
 from models.attention_metadata import AttentionMetadata
-from models.config import ModelArchConfig
-from models.registry import get_model_class
-from models.weights import load_hf_weights
-from pallas_kernels.reference import write_kv_cache
+from models.loader import load_model
+from pallas_kernels.backend import build_attention, resolve_backend
 
 logger = logging.getLogger("jaxserve")
 
 MIN_TOKEN_BUCKET = 16
 MIN_REQUEST_BUCKET = 8
+
+
+@dataclasses.dataclass(slots=True)
+class PreparedStep:
+    """One step's host inputs (numpy), from _prepare_inputs to _bookkeeping.
+    R = scheduled requests; T = the token bucket; Rb = the request bucket."""
+
+    req_ids: list[str]  # [R] in scheduling order
+    rows: np.ndarray  # [R] int64: their InputBatch rows
+    num_scheduled: np.ndarray  # [R] int32: tokens scheduled this step
+    num_computed: np.ndarray  # [R] int32: tokens computed before this step
+    query_start_loc: np.ndarray  # [Rmax + 1] int32: offsets of each request's tokens
+    model_key: ModelStepKey
+    model_inputs: tuple  # input_ids [T], positions [T], AttentionMetadata, logits_indices [Rmax]
+    sample_key: SampleKey
+    sampling_metadata: SamplingMetadata  # [Rb] rows
+    prompt_logprobs_rows: np.ndarray  # [R] bool: rows returning prompt logprobs this step
+    prompt_logprobs_start: np.ndarray  # [R]: first prompt position returned
+    prompt_logprobs_end: np.ndarray  # [R]: one past the last
+    prompt_logprobs_targets: np.ndarray | None  # [T] int32: the token after each position
 
 
 def resolve_dtype(dtype: str, platform: str):
@@ -60,33 +79,6 @@ def make_mesh(tensor_parallel_size: int) -> Mesh:
     return Mesh(np.array(devices[:tensor_parallel_size]).reshape(1, tensor_parallel_size), ("data", "model"))
 
 
-def check_tensor_parallel(arch: ModelArchConfig, tp: int) -> None:
-    """Every dimension sharded over 'model' must split evenly (ValueError naming it)."""
-    dims = {"num_attention_heads": arch.num_attention_heads, "num_key_value_heads": arch.num_key_value_heads,
-            "intermediate_size": arch.intermediate_size}
-    if not arch.tie_word_embeddings:
-        dims["vocab_size"] = arch.vocab_size  # lm_head is split by vocabulary
-    for name, value in dims.items():
-        if value % tp:
-            raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={value}")
-
-
-def param_partition_spec(path: tuple, ndim: int) -> P:
-    """Logical partitioning: attention heads and MLP columns over 'model'."""
-    name = str(path[-2] if path and str(path[-1]) == "value" else path[-1])
-    column = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
-    row = {"o_proj", "down_proj"}
-    if name in column:
-        return P(None, None, "model")
-    if name in row:
-        return P(None, "model", None)
-    if name in {"q_bias", "k_bias", "v_bias", "gate_bias", "up_bias"}:
-        return P(None, "model")
-    if name == "lm_head":
-        return P(None, "model")
-    return P(*([None] * ndim))
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, *, progress: bool = True) -> None:
         self.config = config
@@ -97,22 +89,14 @@ class ModelRunner:
         self.max_model_len = sc.max_model_len
         self.max_num_reqs = sc.max_num_seqs
         self.max_num_tokens = sc.max_num_batched_tokens
-        self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         self.max_logprobs = max(mc.max_logprobs, 0)
         self.progress = progress
         self.mesh = make_mesh(config.parallel_config.tensor_parallel_size)
 
         t0 = time.perf_counter()
-        self.arch = ModelArchConfig.from_pretrained(model_path)
-        check_tensor_parallel(self.arch, config.parallel_config.tensor_parallel_size)
-        weights = load_hf_weights(model_path, self.arch, progress=progress)
-        model_cls = get_model_class(self.arch.architecture)
-        # Build on the host, then place each param with its sharding (no full copy per device).
-        with jax.default_device(jax.devices("cpu")[0]) if self.platform != "cpu" else contextlib.nullcontext():
-            model = model_cls(self.arch, weights, dtype=jnp.float32)
-        del weights
-        self.graphdef, state = nnx.split(model)
-        self.state = self._shard_params(state)
+        self.arch, self.graphdef, self.state = load_model(model_path, mesh=self.mesh, dtype=self.dtype,
+                                                          progress=progress, scan_layers=mc.scan_layers)
         self.vocab_size = self.arch.vocab_size
         logger.info("Loaded %s (%s) in %.1f s", model_path, self.arch.architecture, time.perf_counter() - t0)
 
@@ -130,51 +114,16 @@ class ModelRunner:
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req)
         self.requests: dict[str, CachedRequestState] = {}
         self._seed_rng = np.random.default_rng(mc.seed)
-        self._attention_impl = self._select_attention(mc.attention_backend)
+        self.attention_backend, _ = resolve_backend(mc.attention_backend, self.platform)
+        # On CPU the pallas kernels run under the Pallas interpreter (tests, debugging).
+        self._attention = build_attention(
+            mc.attention_backend, self.platform, self.mesh, sm_scale=self.arch.head_dim ** -0.5,
+            sliding_window=self.arch.sliding_window, interpret=self.platform == "cpu")
         self._build_step_functions()
 
     # ------------------------------------------------------------------ setup
-    def _shard_params(self, state):
-        def place(path, x):
-            keys = tuple(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
-            spec = param_partition_spec(keys, x.ndim)
-            dtype = self.dtype if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 1 and "inv_freq" not in str(path) else x.dtype
-            return jax.device_put(x.astype(dtype), NamedSharding(self.mesh, spec))
-
-        return jax.tree_util.tree_map_with_path(place, state)
-
-    def _select_attention(self, backend: str):
-        from pallas_kernels.backend import get_attention_fn, resolve_backend
-
-        self.attention_backend, _ = resolve_backend(backend, self.platform)
-        # On CPU the pallas kernels run under the Pallas interpreter (tests, debugging).
-        return get_attention_fn(backend, self.platform, interpret=self.platform == "cpu")
-
-    def _attention(self, q, k, v, kv_cache, layer, md: AttentionMetadata):
-        """Write this step's K/V, then attend (per layer, so a request later in the batch
-        sees blocks an earlier one of the same step just filled: prefix dedup, PC-15).
-
-        With tensor parallelism both run under shard_map, each device on its own heads
-        and its own slice of the cache (DESIGN §5): a Pallas kernel has no partitioning
-        rule, and left to GSPMD its operands, the whole stacked cache included, would be
-        gathered onto every device."""
-        def local(q, k, v, kv_cache, layer, md):
-            kv_cache = write_kv_cache(kv_cache, k, v, md.slot_mapping, layer=layer)
-            o = self._attention_impl(q, kv_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-                                     sm_scale=self.arch.head_dim ** -0.5, sliding_window=self.arch.sliding_window,
-                                     layer=layer)
-            return o, kv_cache
-
-        if self.mesh.shape["model"] == 1:
-            return local(q, k, v, kv_cache, layer, md)
-        heads = P(None, "model", None)  # [T, heads, H]
-        cache = kv_cache_sharding(self.mesh).spec
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(heads, heads, heads, cache, P(), P()),
-                             out_specs=(heads, cache), check_vma=False)(q, k, v, kv_cache, layer, md)
-
     def _build_step_functions(self) -> None:
         graphdef = self.graphdef
-        kv_sharding = kv_cache_sharding(self.mesh)
 
         def model_step(state, kv_cache, input_ids, positions, md, logits_indices):
             model = nnx.merge(graphdef, state)
@@ -196,18 +145,21 @@ class ModelRunner:
         # returns an equivalent but differently spelled spec (P() instead of
         # P(None, None, None, 'model', None)), and the next call of a bucket compiled
         # with the old spelling lowers it again.
-        self._model_step = jax.jit(model_step, donate_argnums=(1,), out_shardings=(None, None, kv_sharding))
-        self._sample_step = jax.jit(sample_step, static_argnames=("num_reqs", "greedy_only", "use_penalties"))
-        self._prompt_logprobs_step = jax.jit(prompt_logprobs_step)
+        self._jitted = {
+            ModelStepKey: jax.jit(model_step, donate_argnums=(1,),
+                                  out_shardings=(None, None, kv_cache_sharding(self.mesh))),
+            SampleKey: jax.jit(sample_step, static_argnames=("num_reqs", "greedy_only", "use_penalties")),
+            PromptLogprobsKey: jax.jit(prompt_logprobs_step),
+        }
         # Executables compiled ahead of time by warmup(), by program key; the jitted
         # functions above serve any key not in here (enforce_eager).
-        self._executables: dict[tuple, jax.stages.Compiled] = {}
+        self._executables: dict[ProgramKey, jax.stages.Compiled] = {}
 
-    def _run(self, key: tuple, jitted, *args, **static):
-        """The warm-up's executable for ``key`` (static arguments are baked into it),
-        else the jitted function."""
+    def _run(self, key: ProgramKey, *args):
+        """Run the program ``key`` names: the warm-up's executable (its static arguments
+        baked in), else the jitted function."""
         exe = self._executables.get(key)
-        return exe(*args) if exe is not None else jitted(*args, **static)
+        return exe(*args) if exe is not None else self._jitted[type(key)](*args, **key.static_args())
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self) -> float:
@@ -216,52 +168,65 @@ class ModelRunner:
         Programs are lowered and compiled without running them (running the big
         prefill buckets on dummy inputs cost more than compiling them on a CPU, and
         nothing with the persistent compilation cache). Inputs come from the same
-        places as in execute_model (numpy through device_put, the model step's own
-        output types for the hidden states), so shapes, dtypes and shardings match
-        what serving passes to the executables."""
+        places as in execute_model (the padded arrays of _prepare_inputs through
+        device_put, the model step's own output types for the hidden states), so
+        shapes, dtypes and shardings match what serving passes to the executables."""
         t0 = time.perf_counter()
-        jobs = [("model", t) for t in self.token_buckets]
-        jobs += [("sample", r, g, p) for r in self.request_buckets for g in (True, False) for p in (False, True)]
-        last = None
-        for job in tqdm(jobs, desc="Warm-up (compiling buckets)", disable=not self.progress):
-            if job[0] == "model":
-                t = job[1]
-                exe = self._model_step.lower(self.state, self.kv_cache, *self._dummy_model_inputs(t)).compile()
-                self._executables[job] = exe
-                hidden, last, _ = exe.out_info
-                self._executables[("prompt_logprobs", t)] = self._prompt_logprobs_step.lower(
-                    self.state, hidden, jax.device_put(np.zeros(t, np.int32))).compile()
+        keys: list[ProgramKey] = [ModelStepKey(t) for t in self.token_buckets]
+        keys += [SampleKey(r, g, p) for r in self.request_buckets for g in (True, False) for p in (False, True)]
+        hidden_last = None
+        for key in tqdm(keys, desc="Warm-up (compiling buckets)", disable=not self.progress):
+            if isinstance(key, ModelStepKey):
+                exe = self._executables[key] = self.lower_model_step(key.num_tokens).compile()
+                hidden, hidden_last, _ = exe.out_info
+                self._compile(PromptLogprobsKey(key.num_tokens), self.state, hidden,
+                              jax.device_put(np.zeros(key.num_tokens, np.int32)))
             else:
-                _, r, g, p = job
-                self._executables[job] = self._sample_step.lower(
-                    self.state, last, self._dummy_sampling_metadata(r, p), num_reqs=r, greedy_only=g,
-                    use_penalties=p).compile()
+                rows = np.zeros(key.num_reqs, np.int64)  # rows of the empty batch: neutral values
+                smd = self.input_batch.make_sampling_metadata(rows, use_penalties=key.use_penalties)
+                self._compile(key, self.state, hidden_last, jax.device_put(smd))
         dt = time.perf_counter() - t0
         self.num_compiled_programs = len(self._executables)
         logger.info("Warm-up compiled %d programs in %.1f s", self.num_compiled_programs, dt)
         return dt
 
-    def _dummy_model_inputs(self, t: int):
+    def lower_model_step(self, num_tokens: int) -> jax.stages.Lowered:
+        """The model step of token bucket ``num_tokens``, lowered with serving's input
+        types (for the warm-up, and to inspect a bucket's HLO)."""
+        inputs = jax.device_put(self._model_inputs(num_tokens))
+        return self._jitted[ModelStepKey].lower(self.state, self.kv_cache, *inputs)
+
+    def _compile(self, key: ProgramKey, *args) -> jax.stages.Compiled:
+        exe = self._jitted[type(key)].lower(*args, **key.static_args()).compile()
+        self._executables[key] = exe
+        return exe
+
+    def _model_inputs(self, t: int):
+        """Zeroed model-step inputs for token bucket ``t``: (input_ids [T], positions [T],
+        AttentionMetadata, logits_indices [Rmax]). Per-request arrays have the fixed
+        maximum sizes (Rmax, Pmax), so the backbone's programs depend on T alone; zeros
+        are safe padding (slot 0 is the null block, num_seqs 0 masks every row)."""
         r = self.max_num_reqs
         md = AttentionMetadata(
             slot_mapping=np.zeros(t, np.int32), seq_lens=np.zeros(r, np.int32),
             query_start_loc=np.zeros(r + 1, np.int32), block_tables=np.zeros((r, self.max_blocks_per_req), np.int32),
             num_seqs=np.int32(0),
         )
-        return jax.device_put((np.zeros(t, np.int32), np.zeros(t, np.int32), md, np.zeros(r, np.int32)))
+        return np.zeros(t, np.int32), np.zeros(t, np.int32), md, np.zeros(r, np.int32)
 
-    def _dummy_sampling_metadata(self, r: int, use_penalties: bool) -> SamplingMetadata:
-        hist = self.max_model_len + 1 if use_penalties else 1
-        f = lambda v, dt=np.float32: np.full(r, v, dt)  # noqa: E731
-        return jax.device_put(SamplingMetadata(
-            temperature=f(0.0), top_k=f(0, np.int32), top_p=f(1.0), min_p=f(0.0), presence_penalty=f(0.0),
-            frequency_penalty=f(0.0), repetition_penalty=f(1.0), seeds=f(0, np.uint32), output_pos=f(0, np.int32),
-            stop_ids_masked=np.full((r, self.input_batch.stop_ids.shape[1]), -1, np.int32),
-            token_history=np.zeros((r, hist), np.int32), prompt_lens=f(0, np.int32), total_lens=f(0, np.int32),
-        ))
+    # ------------------------------------------------------------------ the step
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: apply the scheduler's diff, build the padded inputs, run the
+        programs (one device_put, one device_get), record the sampled tokens."""
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        step = self._prepare_inputs(so)
+        sampled, logprobs, prompt_logprobs = self._dispatch(step)
+        return self._bookkeeping(step, sampled, logprobs, prompt_logprobs)
 
-    # ------------------------------------------------------------------ state updates
     def _update_states(self, so: SchedulerOutput) -> None:
+        """Apply the SchedulerOutput diff to the persistent InputBatch."""
         ib = self.input_batch
         for req_id in so.finished_req_ids:
             ib.remove_request(req_id)
@@ -291,11 +256,8 @@ class ModelRunner:
                 ib.num_computed_tokens[i] = num_computed
                 ib.append_block_ids(i, block_ids)
 
-    # ------------------------------------------------------------------ the step
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(so)
-        if so.total_num_scheduled_tokens == 0:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+    def _prepare_inputs(self, so: SchedulerOutput) -> PreparedStep:
+        """The step's padded host arrays (numpy; nothing touches the device here)."""
         ib = self.input_batch
         req_ids = list(so.num_scheduled_tokens)
         num_reqs = len(req_ids)
@@ -304,97 +266,96 @@ class ModelRunner:
         total = int(n.sum())
         t_pad = self.token_buckets(total)
         r_pad = self.request_buckets(num_reqs)
-        rmax, bs = self.max_num_reqs, self.block_size
+        bs = self.block_size
 
         computed = ib.num_computed_tokens[rows]
-        cu = np.zeros(rmax + 1, np.int32)
+        input_ids, positions, md, logits_indices = self._model_inputs(t_pad)
+        cu = md.query_start_loc
         np.cumsum(n, out=cu[1 : num_reqs + 1])
         cu[num_reqs + 1 :] = total
         tok_req = np.repeat(np.arange(num_reqs), n)
         tok_rows = rows[tok_req]
         pos = (computed[tok_req] + np.arange(total) - cu[tok_req]).astype(np.int32)
-        input_ids = np.zeros(t_pad, np.int32)
         input_ids[:total] = ib.token_ids[tok_rows, pos]
-        positions = np.zeros(t_pad, np.int32)
         positions[:total] = pos
-        slot_mapping = np.zeros(t_pad, np.int32)  # padding writes into the null block
-        slot_mapping[:total] = ib.block_table[tok_rows, pos // bs] * bs + pos % bs
-        seq_lens = np.zeros(rmax, np.int32)
-        seq_lens[:num_reqs] = computed + n
-        block_tables = np.zeros((rmax, self.max_blocks_per_req), np.int32)
-        block_tables[:num_reqs] = ib.block_table[rows]
-        logits_indices = np.zeros(rmax, np.int32)
+        md.slot_mapping[:total] = ib.block_table[tok_rows, pos // bs] * bs + pos % bs  # padding: null block
+        md.seq_lens[:num_reqs] = computed + n
+        md.block_tables[:num_reqs] = ib.block_table[rows]
+        md = dataclasses.replace(md, num_seqs=np.int32(num_reqs))
         logits_indices[:num_reqs] = cu[1 : num_reqs + 1] - 1
-        md = AttentionMetadata(slot_mapping, seq_lens, cu, block_tables, np.int32(num_reqs))
 
-        # Sampling arrays, padded to the request bucket.
+        # Sampling arrays, padded to the request bucket (padded rows repeat row 0; dropped).
         prow = np.zeros(r_pad, np.int64)
         prow[:num_reqs] = rows
-        num_out = ib.num_tokens[prow] - ib.num_prompt_tokens[prow]
         use_penalties = ib.uses_penalties(rows)
-        greedy_only = bool(np.all(ib.temperature[rows] == 0))
-        stop_masked = np.where((num_out < ib.min_tokens[prow])[:, None], ib.stop_ids[prow], -1)
-        if use_penalties:
-            history, total_lens = ib.token_ids[prow], ib.num_tokens[prow]
-        else:
-            history, total_lens = np.zeros((r_pad, 1), np.int32), np.zeros(r_pad, np.int32)
-        smd = SamplingMetadata(
-            temperature=ib.temperature[prow], top_k=ib.top_k[prow], top_p=ib.top_p[prow], min_p=ib.min_p[prow],
-            presence_penalty=ib.presence_penalty[prow], frequency_penalty=ib.frequency_penalty[prow],
-            repetition_penalty=ib.repetition_penalty[prow], seeds=ib.seeds[prow], output_pos=num_out.astype(np.int32),
-            stop_ids_masked=stop_masked.astype(np.int32), token_history=history,
-            prompt_lens=ib.num_prompt_tokens[prow], total_lens=total_lens.astype(np.int32),
-        )
-        dev = jax.device_put((input_ids, positions, md, logits_indices, smd))
-        hidden, hidden_last, self.kv_cache = self._run(("model", t_pad), self._model_step, self.state,
-                                                       self.kv_cache, *dev[:4])
-        sampled, lp_ids, lps, ranks = self._run(
-            ("sample", r_pad, greedy_only, use_penalties), self._sample_step, self.state, hidden_last, dev[4],
-            num_reqs=r_pad, greedy_only=greedy_only, use_penalties=use_penalties)
+        sample_key = SampleKey(r_pad, ib.is_greedy(rows), use_penalties)
+        smd = ib.make_sampling_metadata(prow, use_penalties=use_penalties)
 
         # Prompt logprobs: positions p in [start, end) give the entries for tokens p + 1.
         # start skips what an earlier pass returned (the prompt is recomputed after preemption).
-        prompt_lp_end = np.minimum(computed + n, ib.num_prompt_tokens[rows] - 1)
-        prompt_lp_start = computed.copy()
-        prompt_lp_rows = ib.wants_prompt_logprobs[rows] & (computed < prompt_lp_end)
-        for i in np.flatnonzero(prompt_lp_rows):
-            prompt_lp_start[i] = max(computed[i], self.requests[req_ids[i]].num_prompt_logprobs_done)
-        prompt_lp_rows &= prompt_lp_start < prompt_lp_end
-        prompt_lp_dev = None
-        if prompt_lp_rows.any():
+        lp_end = np.minimum(computed + n, ib.num_prompt_tokens[rows] - 1)
+        lp_start = computed.copy()
+        lp_rows = ib.wants_prompt_logprobs[rows] & (computed < lp_end)
+        for i in np.flatnonzero(lp_rows):
+            lp_start[i] = max(computed[i], self.requests[req_ids[i]].num_prompt_logprobs_done)
+        lp_rows &= lp_start < lp_end
+        lp_targets = None
+        if lp_rows.any():
             # Target of position p is the token at p + 1 (within the prompt).
-            targets = np.zeros(t_pad, np.int32)
-            nxt = np.minimum(pos + 1, ib.token_ids.shape[1] - 1)
-            targets[:total] = ib.token_ids[tok_rows, nxt]
-            prompt_lp_dev = self._run(("prompt_logprobs", t_pad), self._prompt_logprobs_step, self.state, hidden,
-                                      jax.device_put(targets))
+            lp_targets = np.zeros(t_pad, np.int32)
+            lp_targets[:total] = ib.token_ids[tok_rows, np.minimum(pos + 1, ib.token_ids.shape[1] - 1)]
 
-        sampled, lp_ids, lps, ranks = jax.device_get((sampled, lp_ids, lps, ranks))
+        return PreparedStep(
+            req_ids=req_ids, rows=rows, num_scheduled=n, num_computed=computed, query_start_loc=cu,
+            model_key=ModelStepKey(t_pad), model_inputs=(input_ids, positions, md, logits_indices),
+            sample_key=sample_key, sampling_metadata=smd, prompt_logprobs_rows=lp_rows,
+            prompt_logprobs_start=lp_start, prompt_logprobs_end=lp_end, prompt_logprobs_targets=lp_targets)
+
+    def _dispatch(self, step: PreparedStep):
+        """Run the step's programs: one device_put of every input, the model step (the
+        KV cache donated and replaced), the sampler, prompt logprobs if any row wants
+        them; one device_get of the results (numpy)."""
+        targets = step.prompt_logprobs_targets
+        dev = jax.device_put((step.model_inputs, step.sampling_metadata, targets))
+        model_inputs, smd, targets = dev
+        hidden, hidden_last, self.kv_cache = self._run(step.model_key, self.state, self.kv_cache, *model_inputs)
+        sampled = self._run(step.sample_key, self.state, hidden_last, smd)
+        prompt_lp = None
+        if targets is not None:
+            prompt_lp = self._run(PromptLogprobsKey(step.model_key.num_tokens), self.state, hidden, targets)
+        (sampled, lp_ids, lps, ranks), prompt_lp = jax.device_get((sampled, prompt_lp))
+        return sampled, (lp_ids, lps, ranks), prompt_lp
+
+    def _bookkeeping(self, step: PreparedStep, sampled, logprobs, prompt_logprobs) -> ModelRunnerOutput:
+        """Append the sampled tokens to the batch and build the ModelRunnerOutput."""
+        ib, rows, num_reqs = self.input_batch, step.rows, len(step.req_ids)
         sampled = sampled[:num_reqs]
-
         # Requests whose scheduled tokens reach their end produce a token; the rest are
         # mid-prefill and their sample is discarded.
-        ib.num_computed_tokens[rows] = computed + n
-        done = computed + n >= ib.num_tokens[rows]
+        new_computed = step.num_computed + step.num_scheduled
+        ib.num_computed_tokens[rows] = new_computed
+        done = new_computed >= ib.num_tokens[rows]
         done_rows = rows[done]
         ib.token_ids[done_rows, ib.num_tokens[done_rows]] = sampled[done]
         ib.num_tokens[done_rows] += 1
         sampled_list = [[int(t)] if d else [] for t, d in zip(sampled.tolist(), done.tolist())]
 
         prompt_logprobs_dict = {}
-        if prompt_lp_dev is not None:
-            p_ids, p_lps, p_ranks = jax.device_get(prompt_lp_dev)
-            for i in np.flatnonzero(prompt_lp_rows):
-                start = int(cu[i] + prompt_lp_start[i] - computed[i])
-                stop = int(cu[i] + prompt_lp_end[i] - computed[i])
-                prompt_logprobs_dict[req_ids[i]] = LogprobsLists(p_ids[start:stop], p_lps[start:stop], p_ranks[start:stop])
-                self.requests[req_ids[i]].num_prompt_logprobs_done = int(prompt_lp_end[i])
+        if prompt_logprobs is not None:
+            p_ids, p_lps, p_ranks = prompt_logprobs
+            for i in np.flatnonzero(step.prompt_logprobs_rows):
+                offset = step.query_start_loc[i] - step.num_computed[i]  # token index of position 0
+                start = int(offset + step.prompt_logprobs_start[i])
+                stop = int(offset + step.prompt_logprobs_end[i])
+                req_id = step.req_ids[i]
+                prompt_logprobs_dict[req_id] = LogprobsLists(p_ids[start:stop], p_lps[start:stop], p_ranks[start:stop])
+                self.requests[req_id].num_prompt_logprobs_done = int(step.prompt_logprobs_end[i])
 
+        lp_ids, lps, ranks = logprobs
         return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            req_ids=step.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
             sampled_token_ids=sampled_list,
             logprobs=LogprobsLists(lp_ids[:num_reqs], lps[:num_reqs], ranks[:num_reqs]),
             prompt_logprobs_dict=prompt_logprobs_dict,
         )
-

@@ -9,7 +9,7 @@ def test_bfloat16_runs_and_agrees_on_clear_choices(tiny_models):
     path = tiny_models("llama", kv_heads=2)
     llm = LLM(str(path), dtype="bfloat16", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
               kv_cache_memory=4 << 20, compilation_cache=False, progress=False, enforce_eager=True)
-    runner = llm.llm_engine.engine_core.model_runner
+    runner = llm.llm_engine.model_runner
     assert runner.kv_cache.dtype == jnp.bfloat16
     assert runner.state["layers"]["q_proj"][...].dtype == jnp.bfloat16
     prompt = list(range(10, 40))

@@ -37,8 +37,8 @@ def test_no_compilation_after_warmup(llm):  # JX-01
         if event == BACKEND_COMPILE_EVENT:
             compiles.append(duration)
 
-    runner = llm.llm_engine.engine_core.model_runner
-    steps = (runner._model_step, runner._sample_step, runner._prompt_logprobs_step)
+    runner = llm.llm_engine.model_runner
+    steps = tuple(runner._jitted.values())  # the model step, the sampler, prompt logprobs
     # Lowered variants per jitted function (jax's private counter): a new one means a
     # stall even when the backend compile is then found in the compilation cache.
     variants = [f._cache_size() for f in steps]

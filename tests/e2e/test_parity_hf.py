@@ -62,28 +62,24 @@ def test_engine_modes_give_same_tokens(tiny_models, mode):
         "no_prefix_cache": dict(enable_prefix_caching=False),
         # 8 usable blocks of 16 tokens for 5 requests of up to 80 tokens: forces preemption.
         "preemption": dict(num_gpu_blocks_override=9, max_num_batched_tokens=256),
-        "unrolled": dict(),
+        "unrolled": dict(scan_layers=False),  # scan is the default; compare with the unrolled loop
     }[mode]
     llm = make_llm(path, **kw)
     if mode == "unrolled":
-        llm.llm_engine.engine_core.model_runner.graphdef  # scan is the default; compare with the unrolled loop
         from flax import nnx
 
-        runner = llm.llm_engine.engine_core.model_runner
-        model = nnx.merge(runner.graphdef, runner.state)
-        model.scan_layers = False
-        runner.graphdef, runner.state = nnx.split(model)
-        runner._build_step_functions()
+        runner = llm.llm_engine.model_runner
+        assert nnx.merge(runner.graphdef, runner.state).scan_layers is False  # the config reached the model
     ours = run(llm, ps)
     if mode == "preemption":
-        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+        assert llm.llm_engine.scheduler.num_preemptions > 0
     for p, o in zip(ps, ours):
         ref, margins = hf.greedy(p, MAX_TOKENS)
         assert_greedy_match(o, ref, margins, f"{mode} len {len(p)}")
     # Prefix-cache hits on a second pass give the same tokens.
     again = run(llm, ps)
     assert again == ours
-    sched = llm.llm_engine.engine_core.scheduler
+    sched = llm.llm_engine.scheduler
     if mode != "no_prefix_cache":
         assert sched.kv_cache_manager.block_pool.cached_block_hash_to_block
 
@@ -122,7 +118,7 @@ def test_prompt_logprobs_returned_once_despite_preemption(tiny_models):
     llm = make_llm(path, num_gpu_blocks_override=8, max_num_batched_tokens=256, enable_prefix_caching=False)
     sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, prompt_logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
-    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert llm.llm_engine.scheduler.num_preemptions > 0
     for p, out in zip(ps, outs):
         assert len(out.prompt_logprobs) == len(p) and out.prompt_logprobs[0] is None
         ref = hf.logits(p)
@@ -145,7 +141,7 @@ def test_priority_preemption_step_with_no_tokens(tiny_models):
     hf = HFReference(path)
     a, b = prompts(7, [40, 28])
     llm = make_llm(path, scheduling_policy="priority", num_gpu_blocks_override=11)
-    engine, sched = llm.llm_engine, llm.llm_engine.engine_core.scheduler
+    engine, sched = llm.llm_engine, llm.llm_engine.scheduler
     empty_preempting_steps = []
     schedule = sched.schedule
 
@@ -175,5 +171,5 @@ def test_pallas_backend_in_interpret_mode_matches_reference(tiny_models):
     kw = dict(max_num_batched_tokens=32)  # chunked prefill + decode mixes
     ref = run(make_llm(path, attention_backend="reference", **kw), ps)
     llm = make_llm(path, attention_backend="pallas", **kw)
-    assert llm.llm_engine.engine_core.model_runner.attention_backend == "pallas"
+    assert llm.llm_engine.model_runner.attention_backend == "pallas"
     assert run(llm, ps) == ref

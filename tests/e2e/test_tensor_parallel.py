@@ -18,14 +18,14 @@ def test_tp2_matches_tp1(tiny_models, backend):
                   compilation_cache=False, progress=False, tensor_parallel_size=tp,
                   # reference: warm-up executables serve the steps; pallas (interpreted): jit on demand
                   enforce_eager=backend == "pallas", attention_backend=backend)
-        runner = llm.llm_engine.engine_core.model_runner
+        runner = llm.llm_engine.model_runner
         if tp == 2:
             # KV heads and attention-head columns really are split over the 'model' axis.
             assert runner.kv_cache.sharding.spec[3] == "model"
             assert tuple(runner.state["layers"]["q_proj"][...].sharding.spec) == (None, None, "model")
             assert len(runner.kv_cache.sharding.device_set) == 2
             # Attention runs per device on its own heads (shard_map): nothing is gathered.
-            hlo = runner._model_step.lower(runner.state, runner.kv_cache, *runner._dummy_model_inputs(16))
+            hlo = runner.lower_model_step(16)
             assert "all-gather" not in hlo.compile().as_text()
         res.append([o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)])
     assert res[0] == res[1]
