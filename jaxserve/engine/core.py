@@ -20,7 +20,7 @@ class EngineCore:
         if not config.enforce_eager:
             self.warmup_seconds = self.model_runner.warmup()
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.model_runner.num_blocks)
-        self.step_count = 0
+        self.num_steps = 0  # steps that ran the model
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -35,10 +35,6 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_requests()
 
-    @property
-    def num_steps(self) -> int:
-        return self.step_count
-
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
@@ -48,5 +44,5 @@ class EngineCore:
                 and not scheduler_output.preempted_req_ids):
             return []  # nothing for the runner to run or to forget
         runner_output = self.model_runner.execute_model(scheduler_output)
-        self.step_count += 1
+        self.num_steps += 1
         return self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -186,9 +186,13 @@ class ModelRunner:
                 smd = self.input_batch.make_sampling_metadata(rows, use_penalties=key.use_penalties)
                 self._compile(key, self.state, hidden_last, jax.device_put(smd))
         dt = time.perf_counter() - t0
-        self.num_compiled_programs = len(self._executables)
         logger.info("Warm-up compiled %d programs in %.1f s", self.num_compiled_programs, dt)
         return dt
+
+    @property
+    def num_compiled_programs(self) -> int:
+        """Programs compiled ahead of time (0 with enforce_eager)."""
+        return len(self._executables)
 
     def lower_model_step(self, num_tokens: int) -> jax.stages.Lowered:
         """The model step of token bucket ``num_tokens``, lowered with serving's input
