@@ -62,11 +62,31 @@ class CacheConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
+    """The ('data', 'model') mesh: data_parallel_size ranks, each with its own KV cache
+    and scheduler, times tensor_parallel_size devices per rank (DESIGN §5); and, for
+    multi-host (JAX multi-controller), how this process joins the others."""
+
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    # Multi-host: all None on one host (and on a TPU pod slice, where JAX finds them).
+    distributed_coordinator_address: str | None = None  # "host:port" of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ValueError(f"num_processes must be at least 1, got {self.num_processes}")
+        if self.process_id is not None and not 0 <= self.process_id < (self.num_processes or 1):
+            raise ValueError(f"process_id must be in [0, num_processes), got {self.process_id} "
+                             f"with num_processes={self.num_processes}")
+
+    @property
+    def world_size(self) -> int:
+        """Devices the mesh uses."""
+        return self.tensor_parallel_size * self.data_parallel_size
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,13 +24,17 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from models.attention_metadata import AttentionMetadata
 from pallas_kernels import reference
 
 BACKENDS = ("auto", "reference", "pallas")
-# The KV cache [L, P, S, 2K, H] is split by KV heads (axis 3) over the mesh's 'model'
-# axis; query heads [T, N, H] split the same way, so each device attends on its own.
-KV_CACHE_PARTITION = P(None, None, None, "model", None)
-_HEADS_PARTITION = P(None, "model", None)
+# The KV cache [L, P, S, 2K, H] is split by pages (axis 1) over the mesh's 'data' axis
+# (each data-parallel rank owns a slice of pages, its block ids local to the slice) and
+# by KV heads (axis 3) over 'model'; tokens [T, N, H] split the same way (a rank's tokens,
+# a device's heads), so each device attends on its own.
+KV_CACHE_PARTITION = P(None, "data", None, "model", None)
+_HEADS_PARTITION = P("data", "model", None)
+_ROWS_PARTITION = P("data")  # every attention-metadata array: one rank's rows each
 _PLATFORM_ALIASES = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "cpu"}
 
 
@@ -91,9 +95,9 @@ def build_attention(backend: str, platform: str | None, mesh: Mesh | None, *, sm
     """The per-layer attention of a model step (see the module docstring).
 
     The KV write comes first, per layer, so a request later in the batch sees blocks an
-    earlier request of the same step just filled (prefix dedup). With a mesh whose
-    'model' axis has more than one device, both run under shard_map, each device on
-    its own heads and its own slice of the cache: a Pallas kernel has no partitioning
+    earlier request of the same step just filled (prefix dedup). On a mesh of more than
+    one device both run under shard_map, each device on its own rank's tokens and pages
+    and its own heads: a Pallas kernel has no partitioning
     rule, and left to GSPMD its operands, the whole stacked cache included, would be
     gathered onto every device."""
     attend = get_attention_fn(backend, platform, interpret=interpret)
@@ -101,12 +105,13 @@ def build_attention(backend: str, platform: str | None, mesh: Mesh | None, *, sm
 
     def local(q, k, v, kv_cache, layer, md):
         kv_cache = write(kv_cache, k, v, md.slot_mapping, layer=layer)
-        o = attend(q, kv_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
+        o = attend(q, kv_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs.reshape(()),
                    sm_scale=sm_scale, sliding_window=sliding_window, layer=layer)
         return o, kv_cache
 
-    if mesh is None or mesh.shape["model"] == 1:
+    if mesh is None or mesh.size == 1:
         return local
     heads = _HEADS_PARTITION
-    return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, KV_CACHE_PARTITION, P(), P()),
+    md_specs = AttentionMetadata(*(_ROWS_PARTITION,) * 5)
+    return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, KV_CACHE_PARTITION, P(), md_specs),
                          out_specs=(heads, KV_CACHE_PARTITION), check_vma=False)

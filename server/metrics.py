@@ -83,6 +83,17 @@ class PrometheusStatLogger:
         self.hist_generation_tokens = Histogram("jaxserve:request_generation_tokens",
                                                 "Number of generation tokens processed.",
                                                 lbl, buckets=tb, registry=r).labels(model_name)
+        # Per data-parallel rank (label engine="0", "1", ... as vLLM's); the gauges above are the total.
+        rank_lbl = ["model_name", "engine"]
+        self._model_name = model_name
+        self.gauge_rank_running = Gauge("jaxserve:dp_rank_num_requests_running",
+                                        "Requests in model execution batches, per data-parallel rank.",
+                                        rank_lbl, registry=r)
+        self.gauge_rank_waiting = Gauge("jaxserve:dp_rank_num_requests_waiting",
+                                        "Requests waiting, per data-parallel rank.", rank_lbl, registry=r)
+        self.gauge_rank_kv_usage = Gauge("jaxserve:dp_rank_kv_cache_usage_perc",
+                                         "KV-cache usage per data-parallel rank. 1 means 100 percent usage.",
+                                         rank_lbl, registry=r)
         self._last_queries = self._last_hits = self._last_preemptions = 0
 
     def record(self, s: EngineStats, it: IterationStats | None) -> None:
@@ -121,3 +132,7 @@ class PrometheusStatLogger:
         self.gauge_waiting.set(s.num_waiting_reqs)
         self.gauge_kv_usage.set(s.kv_cache_usage)
         self.gauge_prefix_hit_rate.set(s.prefix_cache_hit_rate)
+        for rank, rs in enumerate(s.ranks):
+            self.gauge_rank_running.labels(self._model_name, str(rank)).set(rs.num_running_reqs)
+            self.gauge_rank_waiting.labels(self._model_name, str(rank)).set(rs.num_waiting_reqs)
+            self.gauge_rank_kv_usage.labels(self._model_name, str(rank)).set(rs.kv_cache_usage)

@@ -94,7 +94,17 @@ class EngineArgs:
     scheduling_policy: str = field(default="fcfs", metadata=_arg(
         "Order of the waiting queue.", choices=tuple(p.value for p in SchedulingPolicy)))
     # ------------------------------------------------------------------ parallelism
-    tensor_parallel_size: int = field(default=1, metadata=_arg("Devices to shard the model over.", flags=("-tp",)))
+    tensor_parallel_size: int = field(default=1, metadata=_arg(
+        "Devices to shard the model over (any multiple or divisor of the KV heads; the vocabulary is padded).",
+        flags=("-tp",)))
+    data_parallel_size: int = field(default=1, metadata=_arg(
+        "Model replicas, each with its own KV cache and scheduler; requests go to the least loaded.",
+        flags=("-dp",)))
+    distributed_coordinator_address: str | None = field(default=None, metadata=_arg(
+        "Multi-host: host:port of process 0 (jax.distributed); unset on one host and on TPU pods."))
+    num_processes: int | None = field(default=None, metadata=_arg("Multi-host: processes in all."))
+    process_id: int | None = field(default=None, metadata=_arg(
+        "Multi-host: this process's index (0 runs the scheduler and the server; the others follow)."))
     # ------------------------------------------------------------------ compilation
     enforce_eager: bool = field(default=False, metadata=_arg("Skip the start-up warm-up (compile on demand)."))
     token_buckets: list[int] | None = field(default=None, metadata=_arg(
@@ -179,7 +189,10 @@ class EngineArgs:
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
                 max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.scheduling_policy),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
+                distributed_coordinator_address=self.distributed_coordinator_address,
+                num_processes=self.num_processes, process_id=self.process_id),
             enforce_eager=self.enforce_eager,
             token_buckets=tuple(self.token_buckets) if self.token_buckets else None,
             request_buckets=tuple(self.request_buckets) if self.request_buckets else None,

@@ -28,8 +28,9 @@ from typing import AsyncIterator
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import PrefixCachingMetrics
 from jaxserve.engine.arg_utils import EngineArgs
+from jaxserve.engine.core import combine_stats
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.engine.stats import EngineStats, FinishedRequestStats, IterationStats, StatLogger
+from jaxserve.engine.stats import EngineStats, FinishedRequestStats, IterationStats, RankStats, StatLogger
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.runner.compilation_cache import enable_compilation_cache
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -430,7 +431,8 @@ class AsyncLLM:
 
     def _publish_stats(self, iteration: IterationStats) -> None:
         engine = self.engine
-        s = engine.make_stats()
+        per_rank = engine.engine_core.make_rank_stats()
+        s = combine_stats(per_rank)
         pcs = s.prefix_cache_stats
         self._prefix_metrics.observe(pcs)
         self._prefix_queries += pcs.queries
@@ -442,6 +444,7 @@ class AsyncLLM:
             kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=self._prefix_queries,
             prefix_cache_hits=self._prefix_hits, prefix_cache_hit_rate=self._prefix_metrics.hit_rate,
             num_preemptions=s.num_preemptions, num_steps=engine.num_steps,
+            ranks=tuple(RankStats(r.num_running_reqs, r.num_waiting_reqs, r.kv_cache_usage) for r in per_rank),
         )
         for lg in self.stat_loggers:
             try:

@@ -73,7 +73,7 @@ class LLMEngine:
         return self.model_runner.num_compiled_programs
 
     def make_stats(self) -> SchedulerStats:
-        """The scheduler's stats snapshot."""
+        """The schedulers' stats snapshot (all data-parallel ranks together)."""
         return self.engine_core.make_stats()
 
     # --------------------------------------------------------------- requests
@@ -98,8 +98,8 @@ class LLMEngine:
         ]
         # Checked before anything changes. Child ids ("0_x") share the engine's id space
         # with caller ids, so a caller's "0_x" must not clash with request "x"'s first child.
-        states, running = self.output_processor.request_states, self.scheduler.requests
-        if request_id in self._children or any(c[0] in states or c[0] in running for c in children):
+        states, core = self.output_processor.request_states, self.engine_core
+        if request_id in self._children or any(c[0] in states or core.has_request(c[0]) for c in children):
             raise ValueError(f"request id {request_id!r} is already in use")
         self._children[request_id] = [c[0] for c in children]
         for child_id, index, child_params in children:

@@ -28,6 +28,15 @@ class IterationStats:
 
 
 @dataclass(frozen=True)
+class RankStats:
+    """One data-parallel rank's share (its own scheduler and KV cache)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot the engine thread publishes after every loop iteration."""
 
@@ -40,6 +49,7 @@ class EngineStats:
     prefix_cache_hit_rate: float = 0.0  # over the most recent requests
     num_preemptions: int = 0
     num_steps: int = 0
+    ranks: tuple[RankStats, ...] = ()  # per data-parallel rank; the fields above are their total
 
 
 class StatLogger(Protocol):

@@ -14,17 +14,19 @@ from pallas_kernels.backend import KV_CACHE_PARTITION
 
 logger = logging.getLogger("jaxserve")
 
-# Without device memory statistics (the CPU backend) the cache gets this much unless
-# kv_cache_memory says otherwise.
+# Without device memory statistics (the CPU backend) the cache gets this much in all
+# (simulated CPU devices share the host's memory) unless kv_cache_memory says otherwise.
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 def kv_cache_shape(c: ModelArchConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """[L, P, S, 2K, H]: K and V interleaved on axis 3."""
+    """[L, P, S, 2K, H]: K and V interleaved on axis 3 (K: the model's KV heads after
+    replication for tensor parallelism). With data parallelism P is every rank's pages."""
     return (c.num_hidden_layers, num_blocks, block_size, 2 * c.num_key_value_heads, c.head_dim)
 
 
 def bytes_per_block(c: ModelArchConfig, block_size: int, dtype) -> int:
+    """One block of one rank, all its devices together."""
     return int(np.prod(kv_cache_shape(c, 1, block_size))) * jnp.dtype(dtype).itemsize
 
 
@@ -38,10 +40,16 @@ def determine_num_blocks(
     kv_cache_memory: int | None,
     num_gpu_blocks_override: int | None,
     device: jax.Device,
+    tensor_parallel_size: int = 1,
+    num_devices: int = 1,
 ) -> int:
-    """Blocks (null block included) that fit the budget; ValueError if one
-    max_model_len sequence does not fit (naming the longest length that would)."""
+    """Blocks per data-parallel rank (null block included) that fit the budget of one
+    device (``kv_cache_memory`` is per device, as vLLM's; a device holds 1/tp of each
+    of its rank's blocks); ValueError if one max_model_len sequence does not fit
+    (naming the longest length that would). ``num_devices``: the mesh's, sharing the
+    CPU default budget."""
     per_block = bytes_per_block(c, block_size, dtype)
+    per_device_block = per_block / tensor_parallel_size
     if num_gpu_blocks_override is not None:
         num_blocks = num_gpu_blocks_override
     else:
@@ -52,8 +60,8 @@ def determine_num_blocks(
             if stats and "bytes_limit" in stats:
                 budget = int(stats["bytes_limit"] * gpu_memory_utilization) - stats.get("bytes_in_use", 0)
             else:
-                budget = CPU_DEFAULT_KV_CACHE_BYTES
-        num_blocks = max(int(budget // per_block), 0)
+                budget = CPU_DEFAULT_KV_CACHE_BYTES // num_devices
+        num_blocks = max(int(budget // per_device_block), 0)
         usable_tokens = (num_blocks - 1) * block_size
         if usable_tokens < max_model_len:
             raise ValueError(
@@ -62,18 +70,22 @@ def determine_num_blocks(
                 "Lower max_model_len or raise gpu_memory_utilization / kv_cache_memory."
             )
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at %d tokens: %.2fx",
-        num_blocks, block_size, (num_blocks - 1) * block_size, num_blocks * per_block / 2**20,
-        max_model_len, get_max_concurrency(num_blocks - 1, block_size, max_model_len),
+        "KV cache per rank: %d blocks x %d tokens = %d tokens (%.1f MiB per device); max concurrency at %d "
+        "tokens: %.2fx", num_blocks, block_size, (num_blocks - 1) * block_size,
+        num_blocks * per_device_block / 2**20, max_model_len,
+        get_max_concurrency(num_blocks - 1, block_size, max_model_len),
     )
     return num_blocks
 
 
 def kv_cache_sharding(mesh) -> NamedSharding:
-    """KV heads (axis 3) split over 'model' for tensor parallelism, as attention expects."""
+    """Pages (axis 1) split over 'data' (each rank its own), KV heads (axis 3) over
+    'model', as attention expects."""
     return NamedSharding(mesh, KV_CACHE_PARTITION)
 
 
 def allocate_kv_cache(c: ModelArchConfig, num_blocks: int, block_size: int, dtype, mesh) -> jax.Array:
-    shape = kv_cache_shape(c, num_blocks, block_size)
+    """Every rank's ``num_blocks`` pages: [L, DP * num_blocks, S, 2K, H]; rank r's
+    block b is global page r * num_blocks + b, i.e. its local page b."""
+    shape = kv_cache_shape(c, num_blocks * mesh.shape["data"], block_size)
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_sharding(mesh))()

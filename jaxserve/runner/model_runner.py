@@ -6,6 +6,12 @@ step (keyed by T alone; KV cache donated), the jitted sampler (keyed by R alone)
 one device_get. Programs are a sum over buckets, not a product: per-request
 metadata of the model step has fixed maximum sizes (Rmax = max_num_seqs,
 Pmax = pages of max_model_len).
+
+Data parallelism (DESIGN §5) is one SPMD program for all ranks: each rank has its
+own InputBatch, scheduler and slice of the KV cache pages; a step's arrays are the
+ranks' arrays one after the other on axis 0 (every rank padded to the same
+buckets), split over the mesh's 'data' axis, so the compile count does not grow
+with the number of ranks.
 """
 from __future__ import annotations
 
@@ -17,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
@@ -41,23 +48,33 @@ MIN_REQUEST_BUCKET = 8
 
 
 @dataclasses.dataclass(slots=True)
-class PreparedStep:
-    """One step's host inputs (numpy), from _prepare_inputs to _bookkeeping.
-    R = scheduled requests; T = the token bucket; Rb = the request bucket."""
+class RankStep:
+    """One data-parallel rank's share of a step (R = its scheduled requests)."""
 
     req_ids: list[str]  # [R] in scheduling order
-    rows: np.ndarray  # [R] int64: their InputBatch rows
+    rows: np.ndarray  # [R] int64: their rows in the rank's InputBatch
     num_scheduled: np.ndarray  # [R] int32: tokens scheduled this step
     num_computed: np.ndarray  # [R] int32: tokens computed before this step
-    query_start_loc: np.ndarray  # [Rmax + 1] int32: offsets of each request's tokens
-    model_key: ModelStepKey
-    model_inputs: tuple  # input_ids [T], positions [T], AttentionMetadata, logits_indices [Rmax]
-    sample_key: SampleKey
-    sampling_metadata: SamplingMetadata  # [Rb] rows
+    query_start_loc: np.ndarray  # [Rmax + 1] int32: offsets of each request's tokens in the rank's T
+    token_offset: int  # the rank's first token in the step's [DP * T] arrays
+    row_offset: int  # the rank's first row in the sampler's [DP * Rb] arrays
     prompt_logprobs_rows: np.ndarray  # [R] bool: rows returning prompt logprobs this step
     prompt_logprobs_start: np.ndarray  # [R]: first prompt position returned
     prompt_logprobs_end: np.ndarray  # [R]: one past the last
-    prompt_logprobs_targets: np.ndarray | None  # [T] int32: the token after each position
+
+
+@dataclasses.dataclass(slots=True)
+class PreparedStep:
+    """One step's host inputs (numpy), from _prepare_inputs to _bookkeeping. T = the
+    token bucket, Rb = the request bucket, each per rank; arrays hold the DP ranks'
+    slices one after the other."""
+
+    ranks: list[RankStep]
+    model_key: ModelStepKey
+    model_inputs: tuple  # input_ids [DP*T], positions [DP*T], AttentionMetadata, logits_indices [DP*Rmax]
+    sample_key: SampleKey
+    sampling_metadata: SamplingMetadata  # [DP*Rb] rows
+    prompt_logprobs_targets: np.ndarray | None  # [DP*T] int32: the token after each position
 
 
 def resolve_dtype(dtype: str, platform: str):
@@ -70,19 +87,26 @@ def resolve_dtype(dtype: str, platform: str):
     return table[dtype]
 
 
-def make_mesh(tensor_parallel_size: int) -> Mesh:
+def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1) -> Mesh:
+    """The ('data', 'model') mesh over the first dp * tp devices (all processes' devices
+    in a multi-host run; jax.make_mesh orders them by the TPU topology)."""
     devices = jax.devices()
-    if tensor_parallel_size > len(devices):
+    n = tensor_parallel_size * data_parallel_size
+    if n > len(devices):
         raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} exceeds the {len(devices)} available devices"
+            f"data_parallel_size * tensor_parallel_size = {data_parallel_size} * {tensor_parallel_size} = {n} "
+            f"exceeds the {len(devices)} available devices"
         )
-    return Mesh(np.array(devices[:tensor_parallel_size]).reshape(1, tensor_parallel_size), ("data", "model"))
+    # Auto axes: the partitioner propagates shardings (jax.make_mesh's default axis types
+    # changed across versions; Explicit would demand an out_sharding on every gather).
+    return jax.make_mesh((data_parallel_size, tensor_parallel_size), ("data", "model"),
+                         axis_types=(AxisType.Auto, AxisType.Auto), devices=devices[:n])
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, *, progress: bool = True) -> None:
         self.config = config
-        sc, cc, mc = config.scheduler_config, config.cache_config, config.model_config
+        sc, cc, mc, pc = config.scheduler_config, config.cache_config, config.model_config, config.parallel_config
         self.platform = jax.default_backend()
         self.dtype = resolve_dtype(mc.dtype, self.platform)
         self.block_size = cc.block_size
@@ -92,7 +116,13 @@ class ModelRunner:
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         self.max_logprobs = max(mc.max_logprobs, 0)
         self.progress = progress
-        self.mesh = make_mesh(config.parallel_config.tensor_parallel_size)
+        self.dp = pc.data_parallel_size
+        self.mesh = make_mesh(pc.tensor_parallel_size, self.dp)
+        # Every step input is the ranks' arrays one after the other on axis 0, split over
+        # 'data'; sampler outputs come back replicated, so each process (multi-host) can
+        # read them from its own devices.
+        self._rows_sharding = NamedSharding(self.mesh, P("data"))
+        self._replicated = NamedSharding(self.mesh, P())
 
         t0 = time.perf_counter()
         self.arch, self.graphdef, self.state = load_model(model_path, mesh=self.mesh, dtype=self.dtype,
@@ -100,10 +130,12 @@ class ModelRunner:
         self.vocab_size = self.arch.vocab_size
         logger.info("Loaded %s (%s) in %.1f s", model_path, self.arch.architecture, time.perf_counter() - t0)
 
+        # Blocks per rank: each rank's scheduler hands out ids in [0, num_blocks).
         self.num_blocks = determine_num_blocks(
             self.arch, block_size=self.block_size, dtype=self.dtype, max_model_len=self.max_model_len,
             gpu_memory_utilization=cc.gpu_memory_utilization, kv_cache_memory=cc.kv_cache_memory,
-            num_gpu_blocks_override=cc.num_gpu_blocks_override, device=jax.devices()[0],
+            num_gpu_blocks_override=cc.num_gpu_blocks_override, device=self.mesh.devices.flat[0],
+            tensor_parallel_size=pc.tensor_parallel_size, num_devices=self.mesh.size,
         )
         self.kv_cache = allocate_kv_cache(self.arch, self.num_blocks, self.block_size, self.dtype, self.mesh)
 
@@ -111,7 +143,8 @@ class ModelRunner:
         self.request_buckets = BucketTable(
             config.request_buckets or power_of_two_buckets(min(MIN_REQUEST_BUCKET, self.max_num_reqs), self.max_num_reqs)
         )
-        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req)
+        self.input_batches = [InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req)
+                              for _ in range(self.dp)]
         self.requests: dict[str, CachedRequestState] = {}
         self._seed_rng = np.random.default_rng(mc.seed)
         self.attention_backend, _ = resolve_backend(mc.attention_backend, self.platform)
@@ -121,18 +154,31 @@ class ModelRunner:
             sliding_window=self.arch.sliding_window, interpret=self.platform == "cpu")
         self._build_step_functions()
 
+    @property
+    def input_batch(self) -> InputBatch:
+        """Rank 0's batch (the only one without data parallelism)."""
+        return self.input_batches[0]
+
     # ------------------------------------------------------------------ setup
     def _build_step_functions(self) -> None:
-        graphdef = self.graphdef
+        graphdef, dp = self.graphdef, self.dp
+
+        def per_rank_rows(x, rows):
+            """x [DP*M, ...] -> each rank's first ``rows`` rows, [DP*rows, ...]. Reshaped,
+            not indexed with global offsets, so the partitioner keeps every rank local."""
+            return x.reshape(dp, -1, *x.shape[1:])[:, :rows].reshape(dp * rows, *x.shape[1:])
 
         def model_step(state, kv_cache, input_ids, positions, md, logits_indices):
             model = nnx.merge(graphdef, state)
             hidden, kv_cache = model(input_ids, positions, kv_cache, md, self._attention)
-            return hidden, hidden[logits_indices], kv_cache
+            # Each rank's last-token rows, by its local indices [DP, Rmax] into its [T].
+            by_rank = hidden.reshape(dp, -1, hidden.shape[-1])
+            last = jnp.take_along_axis(by_rank, logits_indices.reshape(dp, -1, 1), axis=1)
+            return hidden, last.reshape(-1, hidden.shape[-1]), kv_cache
 
         def sample_step(state, hidden_last, smd, *, num_reqs, greedy_only, use_penalties):
             model = nnx.merge(graphdef, state)
-            logits = model.compute_logits(hidden_last[:num_reqs])
+            logits = model.compute_logits(per_rank_rows(hidden_last, num_reqs))
             return sample(logits, smd, greedy_only=greedy_only, use_penalties=use_penalties,
                           num_logprobs=self.max_logprobs)
 
@@ -143,17 +189,22 @@ class ModelRunner:
 
         # The cache leaves with exactly the sharding it came in with. Left to itself, jit
         # returns an equivalent but differently spelled spec (P() instead of
-        # P(None, None, None, 'model', None)), and the next call of a bucket compiled
+        # P(None, 'data', None, 'model', None)), and the next call of a bucket compiled
         # with the old spelling lowers it again.
         self._jitted = {
             ModelStepKey: jax.jit(model_step, donate_argnums=(1,),
                                   out_shardings=(None, None, kv_cache_sharding(self.mesh))),
-            SampleKey: jax.jit(sample_step, static_argnames=("num_reqs", "greedy_only", "use_penalties")),
-            PromptLogprobsKey: jax.jit(prompt_logprobs_step),
+            SampleKey: jax.jit(sample_step, static_argnames=("num_reqs", "greedy_only", "use_penalties"),
+                               out_shardings=self._replicated),
+            PromptLogprobsKey: jax.jit(prompt_logprobs_step, out_shardings=self._replicated),
         }
         # Executables compiled ahead of time by warmup(), by program key; the jitted
         # functions above serve any key not in here (enforce_eager).
         self._executables: dict[ProgramKey, jax.stages.Compiled] = {}
+
+    def _put(self, tree):
+        """Host arrays -> device, each split over 'data' on axis 0 (its ranks' slices)."""
+        return jax.device_put(tree, jax.tree.map(lambda _: self._rows_sharding, tree))
 
     def _run(self, key: ProgramKey, *args):
         """Run the program ``key`` names: the warm-up's executable (its static arguments
@@ -169,8 +220,8 @@ class ModelRunner:
         prefill buckets on dummy inputs cost more than compiling them on a CPU, and
         nothing with the persistent compilation cache). Inputs come from the same
         places as in execute_model (the padded arrays of _prepare_inputs through
-        device_put, the model step's own output types for the hidden states), so
-        shapes, dtypes and shardings match what serving passes to the executables."""
+        _put, the model step's own output types for the hidden states), so shapes,
+        dtypes and shardings match what serving passes to the executables."""
         t0 = time.perf_counter()
         keys: list[ProgramKey] = [ModelStepKey(t) for t in self.token_buckets]
         keys += [SampleKey(r, g, p) for r in self.request_buckets for g in (True, False) for p in (False, True)]
@@ -180,11 +231,12 @@ class ModelRunner:
                 exe = self._executables[key] = self.lower_model_step(key.num_tokens).compile()
                 hidden, hidden_last, _ = exe.out_info
                 self._compile(PromptLogprobsKey(key.num_tokens), self.state, hidden,
-                              jax.device_put(np.zeros(key.num_tokens, np.int32)))
+                              self._put(np.zeros(self.dp * key.num_tokens, np.int32)))
             else:
                 rows = np.zeros(key.num_reqs, np.int64)  # rows of the empty batch: neutral values
                 smd = self.input_batch.make_sampling_metadata(rows, use_penalties=key.use_penalties)
-                self._compile(key, self.state, hidden_last, jax.device_put(smd))
+                smd = jax.tree.map(lambda x: np.concatenate([x] * self.dp), smd)
+                self._compile(key, self.state, hidden_last, self._put(smd))
         dt = time.perf_counter() - t0
         logger.info("Warm-up compiled %d programs in %.1f s", self.num_compiled_programs, dt)
         return dt
@@ -197,7 +249,7 @@ class ModelRunner:
     def lower_model_step(self, num_tokens: int) -> jax.stages.Lowered:
         """The model step of token bucket ``num_tokens``, lowered with serving's input
         types (for the warm-up, and to inspect a bucket's HLO)."""
-        inputs = jax.device_put(self._model_inputs(num_tokens))
+        inputs = self._put(self._model_inputs(num_tokens))
         return self._jitted[ModelStepKey].lower(self.state, self.kv_cache, *inputs)
 
     def _compile(self, key: ProgramKey, *args) -> jax.stages.Compiled:
@@ -206,32 +258,37 @@ class ModelRunner:
         return exe
 
     def _model_inputs(self, t: int):
-        """Zeroed model-step inputs for token bucket ``t``: (input_ids [T], positions [T],
-        AttentionMetadata, logits_indices [Rmax]). Per-request arrays have the fixed
-        maximum sizes (Rmax, Pmax), so the backbone's programs depend on T alone; zeros
-        are safe padding (slot 0 is the null block, num_seqs 0 masks every row)."""
-        r = self.max_num_reqs
+        """Zeroed model-step inputs for token bucket ``t``, every rank's one after the
+        other: (input_ids [DP*T], positions [DP*T], AttentionMetadata, logits_indices
+        [DP*Rmax]). Per-request arrays have the fixed maximum sizes (Rmax, Pmax), so the
+        backbone's programs depend on T alone; zeros are safe padding (slot 0 is the null
+        block, num_seqs 0 masks every row)."""
+        r, dp = self.max_num_reqs, self.dp
         md = AttentionMetadata(
-            slot_mapping=np.zeros(t, np.int32), seq_lens=np.zeros(r, np.int32),
-            query_start_loc=np.zeros(r + 1, np.int32), block_tables=np.zeros((r, self.max_blocks_per_req), np.int32),
-            num_seqs=np.int32(0),
+            slot_mapping=np.zeros(dp * t, np.int32), seq_lens=np.zeros(dp * r, np.int32),
+            query_start_loc=np.zeros(dp * (r + 1), np.int32),
+            block_tables=np.zeros((dp * r, self.max_blocks_per_req), np.int32), num_seqs=np.zeros(dp, np.int32),
         )
-        return np.zeros(t, np.int32), np.zeros(t, np.int32), md, np.zeros(r, np.int32)
+        return np.zeros(dp * t, np.int32), np.zeros(dp * t, np.int32), md, np.zeros(dp * r, np.int32)
 
     # ------------------------------------------------------------------ the step
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """One step: apply the scheduler's diff, build the padded inputs, run the
-        programs (one device_put, one device_get), record the sampled tokens."""
-        self._update_states(so)
-        if so.total_num_scheduled_tokens == 0:
-            return EMPTY_MODEL_RUNNER_OUTPUT
-        step = self._prepare_inputs(so)
+    def execute_model(self, outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput]:
+        """One step over every data-parallel rank (``outputs[r]``: rank r's scheduler
+        output): apply the diffs, build the padded inputs, run the programs (one
+        device_put, one device_get), record the sampled tokens. One output per rank."""
+        assert len(outputs) == self.dp, f"{len(outputs)} scheduler outputs for {self.dp} ranks"
+        for rank, so in enumerate(outputs):
+            self._update_states(rank, so)
+        if all(so.total_num_scheduled_tokens == 0 for so in outputs):
+            return [EMPTY_MODEL_RUNNER_OUTPUT] * self.dp
+        step = self._prepare_inputs(outputs)
         sampled, logprobs, prompt_logprobs = self._dispatch(step)
-        return self._bookkeeping(step, sampled, logprobs, prompt_logprobs)
+        return [self._bookkeeping(rank, step.ranks[rank], sampled, logprobs, prompt_logprobs)
+                for rank in range(self.dp)]
 
-    def _update_states(self, so: SchedulerOutput) -> None:
-        """Apply the SchedulerOutput diff to the persistent InputBatch."""
-        ib = self.input_batch
+    def _update_states(self, rank: int, so: SchedulerOutput) -> None:
+        """Apply a rank's SchedulerOutput diff to its persistent InputBatch."""
+        ib = self.input_batches[rank]
         for req_id in so.finished_req_ids:
             ib.remove_request(req_id)
             self.requests.pop(req_id, None)
@@ -260,21 +317,51 @@ class ModelRunner:
                 ib.num_computed_tokens[i] = num_computed
                 ib.append_block_ids(i, block_ids)
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> PreparedStep:
-        """The step's padded host arrays (numpy; nothing touches the device here)."""
-        ib = self.input_batch
-        req_ids = list(so.num_scheduled_tokens)
+    def _prepare_inputs(self, outputs: list[SchedulerOutput]) -> PreparedStep:
+        """The step's padded host arrays (numpy; nothing touches the device here). Every
+        rank gets the same buckets: the largest rank's token count and request count."""
+        t_pad = self.token_buckets(max(so.total_num_scheduled_tokens for so in outputs))
+        r_pad = self.request_buckets(max(len(so.num_scheduled_tokens) for so in outputs))
+        input_ids, positions, md, logits_indices = self._model_inputs(t_pad)
+        rmax = self.max_num_reqs
+        ranks = [list(so.num_scheduled_tokens) for so in outputs]
+        rows = [np.fromiter((ib.req_id_to_index[r] for r in ids), np.int64, len(ids))
+                for ib, ids in zip(self.input_batches, ranks)]
+        greedy = all(ib.is_greedy(r) for ib, r in zip(self.input_batches, rows))
+        use_penalties = any(ib.uses_penalties(r) for ib, r in zip(self.input_batches, rows))
+        rank_steps, smds, lp_targets = [], [], None
+        for rank, (so, ib, req_ids, rws) in enumerate(zip(outputs, self.input_batches, ranks, rows)):
+            tok, row = slice(rank * t_pad, (rank + 1) * t_pad), slice(rank * rmax, (rank + 1) * rmax)
+            step, targets = self._prepare_rank(
+                so, ib, req_ids, rws, input_ids[tok], positions[tok], md.slot_mapping[tok], md.seq_lens[row],
+                md.query_start_loc[rank * (rmax + 1):(rank + 1) * (rmax + 1)], md.block_tables[row],
+                logits_indices[row])
+            step.token_offset, step.row_offset = rank * t_pad, rank * r_pad
+            md.num_seqs[rank] = len(req_ids)
+            rank_steps.append(step)
+            if targets is not None:
+                if lp_targets is None:
+                    lp_targets = np.zeros(self.dp * t_pad, np.int32)
+                lp_targets[rank * t_pad:rank * t_pad + len(targets)] = targets
+            # Sampling rows, padded to the request bucket (padded rows repeat row 0; dropped).
+            prow = np.zeros(r_pad, np.int64)
+            prow[:len(rws)] = rws
+            smds.append(ib.make_sampling_metadata(prow, use_penalties=use_penalties))
+        smd = smds[0] if self.dp == 1 else jax.tree.map(lambda *xs: np.concatenate(xs), *smds)
+        return PreparedStep(
+            ranks=rank_steps, model_key=ModelStepKey(t_pad), model_inputs=(input_ids, positions, md, logits_indices),
+            sample_key=SampleKey(r_pad, greedy, use_penalties), sampling_metadata=smd,
+            prompt_logprobs_targets=lp_targets)
+
+    def _prepare_rank(self, so, ib: InputBatch, req_ids, rows, input_ids, positions, slot_mapping, seq_lens, cu,
+                      block_tables, logits_indices) -> tuple[RankStep, np.ndarray | None]:
+        """Fill one rank's slices of the step arrays (views: written in place); returns
+        its RankStep and, if a row wants prompt logprobs, the targets of its tokens."""
         num_reqs = len(req_ids)
-        rows = np.fromiter((ib.req_id_to_index[r] for r in req_ids), np.int64, num_reqs)
         n = np.fromiter(so.num_scheduled_tokens.values(), np.int32, num_reqs)
         total = int(n.sum())
-        t_pad = self.token_buckets(total)
-        r_pad = self.request_buckets(num_reqs)
         bs = self.block_size
-
         computed = ib.num_computed_tokens[rows]
-        input_ids, positions, md, logits_indices = self._model_inputs(t_pad)
-        cu = md.query_start_loc
         np.cumsum(n, out=cu[1 : num_reqs + 1])
         cu[num_reqs + 1 :] = total
         tok_req = np.repeat(np.arange(num_reqs), n)
@@ -282,18 +369,10 @@ class ModelRunner:
         pos = (computed[tok_req] + np.arange(total) - cu[tok_req]).astype(np.int32)
         input_ids[:total] = ib.token_ids[tok_rows, pos]
         positions[:total] = pos
-        md.slot_mapping[:total] = ib.block_table[tok_rows, pos // bs] * bs + pos % bs  # padding: null block
-        md.seq_lens[:num_reqs] = computed + n
-        md.block_tables[:num_reqs] = ib.block_table[rows]
-        md = dataclasses.replace(md, num_seqs=np.int32(num_reqs))
+        slot_mapping[:total] = ib.block_table[tok_rows, pos // bs] * bs + pos % bs  # padding: null block
+        seq_lens[:num_reqs] = computed + n
+        block_tables[:num_reqs] = ib.block_table[rows]
         logits_indices[:num_reqs] = cu[1 : num_reqs + 1] - 1
-
-        # Sampling arrays, padded to the request bucket (padded rows repeat row 0; dropped).
-        prow = np.zeros(r_pad, np.int64)
-        prow[:num_reqs] = rows
-        use_penalties = ib.uses_penalties(rows)
-        sample_key = SampleKey(r_pad, ib.is_greedy(rows), use_penalties)
-        smd = ib.make_sampling_metadata(prow, use_penalties=use_penalties)
 
         # Prompt logprobs: positions p in [start, end) give the entries for tokens p + 1.
         # start skips what an earlier pass returned (the prompt is recomputed after preemption).
@@ -303,25 +382,21 @@ class ModelRunner:
         for i in np.flatnonzero(lp_rows):
             lp_start[i] = max(computed[i], self.requests[req_ids[i]].num_prompt_logprobs_done)
         lp_rows &= lp_start < lp_end
-        lp_targets = None
+        targets = None
         if lp_rows.any():
             # Target of position p is the token at p + 1 (within the prompt).
-            lp_targets = np.zeros(t_pad, np.int32)
-            lp_targets[:total] = ib.token_ids[tok_rows, np.minimum(pos + 1, ib.token_ids.shape[1] - 1)]
-
-        return PreparedStep(
+            targets = ib.token_ids[tok_rows, np.minimum(pos + 1, ib.token_ids.shape[1] - 1)]
+        return RankStep(
             req_ids=req_ids, rows=rows, num_scheduled=n, num_computed=computed, query_start_loc=cu,
-            model_key=ModelStepKey(t_pad), model_inputs=(input_ids, positions, md, logits_indices),
-            sample_key=sample_key, sampling_metadata=smd, prompt_logprobs_rows=lp_rows,
-            prompt_logprobs_start=lp_start, prompt_logprobs_end=lp_end, prompt_logprobs_targets=lp_targets)
+            token_offset=0, row_offset=0, prompt_logprobs_rows=lp_rows, prompt_logprobs_start=lp_start,
+            prompt_logprobs_end=lp_end), targets
 
     def _dispatch(self, step: PreparedStep):
         """Run the step's programs: one device_put of every input, the model step (the
         KV cache donated and replaced), the sampler, prompt logprobs if any row wants
         them; one device_get of the results (numpy)."""
         targets = step.prompt_logprobs_targets
-        dev = jax.device_put((step.model_inputs, step.sampling_metadata, targets))
-        model_inputs, smd, targets = dev
+        model_inputs, smd, targets = self._put((step.model_inputs, step.sampling_metadata, targets))
         hidden, hidden_last, self.kv_cache = self._run(step.model_key, self.state, self.kv_cache, *model_inputs)
         sampled = self._run(step.sample_key, self.state, hidden_last, smd)
         prompt_lp = None
@@ -330,10 +405,13 @@ class ModelRunner:
         (sampled, lp_ids, lps, ranks), prompt_lp = jax.device_get((sampled, prompt_lp))
         return sampled, (lp_ids, lps, ranks), prompt_lp
 
-    def _bookkeeping(self, step: PreparedStep, sampled, logprobs, prompt_logprobs) -> ModelRunnerOutput:
-        """Append the sampled tokens to the batch and build the ModelRunnerOutput."""
-        ib, rows, num_reqs = self.input_batch, step.rows, len(step.req_ids)
-        sampled = sampled[:num_reqs]
+    def _bookkeeping(self, rank: int, step: RankStep, sampled, logprobs, prompt_logprobs) -> ModelRunnerOutput:
+        """Append a rank's sampled tokens to its batch and build its ModelRunnerOutput."""
+        ib, rows, num_reqs = self.input_batches[rank], step.rows, len(step.req_ids)
+        if num_reqs == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        mine = slice(step.row_offset, step.row_offset + num_reqs)
+        sampled = sampled[mine]
         # Requests whose scheduled tokens reach their end produce a token; the rest are
         # mid-prefill and their sample is discarded.
         new_computed = step.num_computed + step.num_scheduled
@@ -348,7 +426,8 @@ class ModelRunner:
         if prompt_logprobs is not None:
             p_ids, p_lps, p_ranks = prompt_logprobs
             for i in np.flatnonzero(step.prompt_logprobs_rows):
-                offset = step.query_start_loc[i] - step.num_computed[i]  # token index of position 0
+                # token index of position 0, in the step's [DP*T] arrays
+                offset = step.token_offset + step.query_start_loc[i] - step.num_computed[i]
                 start = int(offset + step.prompt_logprobs_start[i])
                 stop = int(offset + step.prompt_logprobs_end[i])
                 req_id = step.req_ids[i]
@@ -360,6 +439,6 @@ class ModelRunner:
             req_ids=step.req_ids,
             req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
             sampled_token_ids=sampled_list,
-            logprobs=LogprobsLists(lp_ids[:num_reqs], lps[:num_reqs], ranks[:num_reqs]),
+            logprobs=LogprobsLists(lp_ids[mine], lps[mine], ranks[mine]),
             prompt_logprobs_dict=prompt_logprobs_dict,
         )

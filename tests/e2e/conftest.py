@@ -20,3 +20,4 @@ def tiny_models(tmp_path_factory):
         return cache[key]
 
     return get
+
