@@ -311,6 +311,8 @@ class AsyncLLM:
             self._cond.notify_all()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        if not self._thread.is_alive():  # a step still running keeps the followers needed
+            self.engine.engine_core.shutdown()
         if self._dead_error is None:
             self._dead_error = EngineDeadError("the engine was shut down")
         self._fail_all_streams(EngineDeadError("the engine was shut down"))

@@ -3,16 +3,27 @@
 With data parallelism there is one scheduler (and KV block pool) per rank; a new
 request goes to one rank (core/sched/dp_balancer.py) and stays there, and one
 runner step serves every rank's scheduler output at once.
+
+Multi-host (engine/multihost.py): every process builds the same runner and warms
+up the same programs; process 0 (the leader) then schedules and publishes each
+step's scheduler outputs before running them, and the other processes (followers)
+only replay them: ``EngineCore(...)`` on a follower serves the leader's steps until
+the leader shuts down, then ends the process (SystemExit(0)), so one script runs
+unchanged on every process.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
+
+import jax
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import PrefixCacheStats
 from jaxserve.core.sched.dp_balancer import choose_rank
 from jaxserve.core.sched.scheduler import Scheduler, SchedulerStats
+from jaxserve.engine.multihost import StepChannel, initialize_distributed, is_leader, is_multihost, run_follower
 from jaxserve.outputs import EngineCoreOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.model_runner import ModelRunner
@@ -23,19 +34,34 @@ logger = logging.getLogger("jaxserve")
 class EngineCore:
     def __init__(self, config: EngineConfig, model_path: str, *, progress: bool = True) -> None:
         self.config = config
+        pc = config.parallel_config
+        # Before anything touches a device: joins the other processes when this is a
+        # multi-host run (flags, or a TPU pod / launcher environment); else nothing.
+        initialize_distributed(pc.distributed_coordinator_address, pc.num_processes, pc.process_id)
         self.model_runner = ModelRunner(config, model_path, progress=progress)
         self.warmup_seconds = 0.0
         if not config.enforce_eager:
             self.warmup_seconds = self.model_runner.warmup()
+        self._channel: StepChannel | None = None
+        if is_multihost():
+            self._channel = StepChannel()
+            if not is_leader():
+                steps = run_follower(self.model_runner.execute_model, self._channel)
+                logger.info("follower %d: the leader shut down after %d steps", jax.process_index(), steps)
+                raise SystemExit(0)
+            atexit.register(self.shutdown)
         self.schedulers = [
             Scheduler(config.scheduler_config, config.cache_config, self.model_runner.num_blocks)
             for _ in range(config.parallel_config.data_parallel_size)
         ]
         self._rank_of: dict[str, int] = {}  # unfinished request id -> its rank
         self.num_steps = 0  # steps that ran the model
-        # Called with each step's scheduler outputs before the runner runs them
-        # (multi-host: the leader broadcasts them to the followers).
-        self.on_schedule = None
+
+    def shutdown(self) -> None:
+        """Multi-host: tell the followers to exit (0). Idempotent; also run at exit."""
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            channel.close()
 
     @property
     def scheduler(self) -> Scheduler:
@@ -81,8 +107,8 @@ class EngineCore:
         outputs = [s.schedule() for s in self.schedulers]
         if not any(so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids for so in outputs):
             return []  # nothing for the runner to run or to forget
-        if self.on_schedule is not None:
-            self.on_schedule(outputs)
+        if self._channel is not None:
+            self._channel.publish(outputs)  # the followers run the same step
         runner_outputs = self.model_runner.execute_model(outputs)
         self.num_steps += 1
         results: list[EngineCoreOutput] = []

@@ -7,80 +7,29 @@ before any device use, so the multi-process runs cannot live in this process.
 """
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from procs import Proc, free_port
+
 from jaxserve.engine import multihost as mh
 
 WORKER = Path(__file__).with_name("mh_worker.py")
-ROOT = WORKER.parents[2]
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Proc:
-    def __init__(self, pid: int, port: int, scenario: str, tmp: Path, opts: dict):
-        env = dict(os.environ)
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-                   PYTHONUNBUFFERED="1")
-        self.out_path, self.err_path = tmp / f"p{pid}.out", tmp / f"p{pid}.err"
-        args = [sys.executable, str(WORKER), str(pid), str(port), scenario]
-        args += [f"{k}={v}" for k, v in opts.items()]
-        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.popen = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=err)
-
-    @property
-    def out(self) -> str:
-        return self.out_path.read_text()
-
-    @property
-    def err(self) -> str:
-        return self.err_path.read_text()
-
-    def wait_for(self, text: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.out:
-            if self.popen.poll() is not None:
-                raise AssertionError(f"exited {self.popen.returncode} before {text!r}:\n"
-                                     f"{self.out}\n{self.err[-3000:]}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no {text!r} after {timeout}s:\n{self.out}\n{self.err[-3000:]}")
-            time.sleep(0.1)
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
-            raise AssertionError(f"still running after {timeout}s:\n{self.out}\n{self.err[-3000:]}")
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait()
-
-
 @pytest.fixture
 def pair(tmp_path):
-    procs: list[_Proc] = []
+    procs: list[Proc] = []
 
-    def start(scenario: str, **opts) -> tuple[_Proc, _Proc]:
-        port = _free_port()
-        procs.extend(_Proc(pid, port, scenario, tmp_path, opts) for pid in (0, 1))
+    def start(scenario: str, **opts) -> tuple[Proc, Proc]:
+        port = free_port()
+        procs.extend(Proc(f"p{pid}", [str(WORKER), str(pid), str(port), scenario] +
+                          [f"{k}={v}" for k, v in opts.items()], tmp_path) for pid in (0, 1))
         return procs[0], procs[1]
 
     yield start
