@@ -33,10 +33,25 @@ def _generate(args) -> int:
 
 
 def _convert(args) -> int:
-    from models.gguf_import import convert_gguf_to_hf
+    # The format follows the input unless --format says: a .gguf file becomes an HF-style
+    # folder (its only other form); anything else a model argument names becomes orbax.
+    fmt = args.format or ("hf" if args.model.endswith(".gguf") else "orbax")
+    if fmt == "hf":
+        if not args.model.endswith(".gguf"):
+            raise ValueError("--format hf converts a .gguf file; an HF model folder is already that format")
+        if args.dtype != "auto":
+            raise ValueError("--dtype applies to --format orbax (a GGUF import writes float32)")
+        from models.gguf_import import convert_gguf_to_hf
 
-    out = convert_gguf_to_hf(args.gguf_file, args.out_dir, overwrite=args.overwrite)
-    print(f"Converted {args.gguf_file} -> {out}")
+        out = convert_gguf_to_hf(args.model, args.out_dir, overwrite=args.overwrite)
+    else:
+        from jaxserve.engine.model_resolver import resolve_model_path
+        from models.checkpoint import convert_to_orbax
+
+        # Any model `serve` accepts (folder, .gguf, hub id); a .gguf goes through its cached HF folder.
+        source = resolve_model_path(args.model)
+        out = convert_to_orbax(source, args.out_dir, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"Converted {args.model} -> {out} ({fmt})")
     return 0
 
 
@@ -54,9 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--raw", action="store_true", help="plain completion (no chat template)")
     g.set_defaults(func=_generate)
 
-    c = sub.add_parser("convert", help="convert a GGUF file into an HF-style folder")
-    c.add_argument("gguf_file")
+    c = sub.add_parser("convert", help="convert a GGUF file into an HF-style folder, or a model into an "
+                                       "orbax folder (serve it like any model folder; restores fast)")
+    c.add_argument("model", help="a .gguf file, or (orbax) a model folder, .gguf file or hub id")
     c.add_argument("out_dir")
+    c.add_argument("--format", choices=("hf", "orbax"), default=None,
+                   help="hf: GGUF -> HF-style folder; orbax: the serving params as an orbax checkpoint "
+                        "(default: hf for a .gguf file, orbax otherwise)")
+    c.add_argument("--dtype", choices=("auto", "bfloat16", "float32", "float16"), default="auto",
+                   help="orbax: the stored params' dtype (auto: the checkpoint's own); serving casts to its own")
     c.add_argument("--overwrite", action="store_true")
     c.set_defaults(func=_convert)
 

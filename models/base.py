@@ -4,9 +4,9 @@ A model class serves the HF ``architectures`` it lists, reads its own config.jso
 fields (``from_hf_config``), names its checkpoint tensors (``weight_map``) and
 partitions its params: each ``Weight`` carries a partitioning over the mesh axes
 ('data', 'model'), which ``make_param`` puts on the ``nnx.Param`` as its
-``out_sharding`` metadata. The loader (models/weights.py), the placement and the
-tensor-parallel check (models/sharding.py) read these declarations and know
-nothing about any one architecture.
+``out_sharding`` metadata. The checkpoint readers (models/weights.py,
+models/checkpoint.py) and the tensor-parallel layout (models/sharding.py) read these
+declarations and know nothing about any one architecture.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from models.config import ModelArchConfig
@@ -48,12 +48,16 @@ def dim_size(config: ModelArchConfig, dim: str) -> int:
     return math.prod(getattr(config, f) for f in dim.split("*"))
 
 
-def make_param(name: str, value: np.ndarray, weight: Weight, config: ModelArchConfig, dtype) -> nnx.Param:
-    """The param with its partitioning as metadata. Never sharded eagerly: models are
-    built on the host, and models/sharding.py places them afterwards."""
+def make_param(name: str, value, weight: Weight, config: ModelArchConfig, dtype) -> nnx.Param:
+    """The param with its partitioning as metadata. ``value`` is normally the array the
+    loader already placed on the mesh (models/loader.py), kept as it is when it has
+    ``dtype``; a numpy array is converted. Never sharded eagerly: placement is the
+    loader's."""
     shape = weight.shape(config)
-    assert value.shape == shape, f"{name}: expected {shape}, got {value.shape}"
-    return nnx.Param(jnp.asarray(value, dtype), out_sharding=weight.partition, eager_sharding=False)
+    assert tuple(value.shape) == shape, f"{name}: expected {shape}, got {value.shape}"
+    if not (isinstance(value, jax.Array) and value.dtype == dtype):
+        value = jnp.asarray(value, dtype)
+    return nnx.Param(value, out_sharding=weight.partition, eager_sharding=False)
 
 
 class CausalLM(nnx.Module):

@@ -34,6 +34,16 @@ class ModelArchConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
+    # Tensor parallelism (models/sharding.py: arch_for_tensor_parallel). The embedding and
+    # lm_head have padded_vocab_size rows, vocab_size rounded up to a multiple of tp (the
+    # extra rows are zeros and their logits are never returned); each checkpoint KV head
+    # appears kv_head_replicas times, and num_key_value_heads counts the copies.
+    padded_vocab_size: int | None = None  # None: vocab_size
+    kv_head_replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if self.padded_vocab_size is None:
+            object.__setattr__(self, "padded_vocab_size", self.vocab_size)
 
     @staticmethod
     def from_hf_dict(cfg: dict) -> "ModelArchConfig":

@@ -8,7 +8,8 @@ with depth. Projections are stored [in, out] so a matmul is ``x @ w``.
 The KV cache is [L, P, S, 2K, H] (DESIGN §4) and is threaded through the scan.
 
 Tensor parallelism (DESIGN §5): q/k/v/gate/up are split by output columns, o/down
-by input rows, lm_head by vocabulary; the declarations are in ``weight_map``.
+by input rows, the embedding and lm_head by vocabulary (padded to a multiple of tp;
+``compute_logits`` drops the padding); the declarations are in ``weight_map``.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from models.attention_metadata import AttentionMetadata
@@ -24,9 +24,9 @@ from models.base import MODEL, CausalLM, Weight, make_param
 from models.config import ModelArchConfig, hf_common_fields
 from models.rope import apply_rope, rope_inv_freq
 
-# Axis sizes, as ModelArchConfig fields: L layers, D model dim, F mlp dim, V vocabulary,
-# NH / KH query / kv heads times the head dim.
-L, D, F, V = "num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size"
+# Axis sizes, as ModelArchConfig fields: L layers, D model dim, F mlp dim, V vocabulary
+# (padded to a multiple of tp), NH / KH query / kv heads times the head dim.
+L, D, F, V = "num_hidden_layers", "hidden_size", "intermediate_size", "padded_vocab_size"
 NH, KH = "num_attention_heads*head_dim", "num_key_value_heads*head_dim"
 COLUMNS = (None, None, MODEL)  # [L, in, out] split by output columns (heads / MLP columns)
 ROWS = (None, MODEL, None)  # [L, in, out] split by input rows
@@ -43,8 +43,7 @@ def rms_norm(x, w, eps):
 class DecoderLayers(nnx.Module):
     """All decoder layers' weights, stacked [L, ...]."""
 
-    def __init__(self, config: ModelArchConfig, weights: dict[str, np.ndarray], weight_map: dict[str, Weight],
-                 dtype) -> None:
+    def __init__(self, config: ModelArchConfig, weights: dict, weight_map: dict[str, Weight], dtype) -> None:
         for name, w in weight_map.items():
             setattr(self, name, make_param(name, weights[name], w, config, dtype))
 
@@ -69,7 +68,9 @@ class LlamaForCausalLM(CausalLM):
     @classmethod
     def weight_map(cls, c: ModelArchConfig) -> dict[str, Weight]:
         m = {
-            "embed_tokens": Weight("model.embed_tokens.weight", (V, D)),
+            # Split by vocabulary: the lookup is a local gather plus an all-reduce, and a
+            # tied lm_head (its transpose) comes out split by vocabulary as well.
+            "embed_tokens": Weight("model.embed_tokens.weight", (V, D), (MODEL, None)),
             "norm": Weight("model.norm.weight", (D,)),
         }
         if not c.tie_word_embeddings:
@@ -106,17 +107,21 @@ class LlamaForCausalLM(CausalLM):
         tied_head = (r"lm_head\.weight",) if config.tie_word_embeddings else ()  # a copy of embed_tokens
         return super().ignored_hf_tensors(config) + tied_head
 
-    def __init__(self, config: ModelArchConfig, weights: dict[str, np.ndarray], *, dtype=jnp.float32,
+    def __init__(self, config: ModelArchConfig, weights: dict, *, dtype=jnp.float32,
                  scan_layers: bool = True) -> None:
+        """weights: our param name -> array of ``weight_map(config)``'s shape (the loader
+        passes them placed on the mesh, in ``dtype``)."""
         self.config = config
         self.scan_layers = scan_layers
         wm = self.weight_map(config)
-        self.embed_tokens = make_param("embed_tokens", weights["embed_tokens"], wm["embed_tokens"], config, dtype)
+        self.embed_tokens = make_param("embed_tokens", weights["embed_tokens"], wm["embed_tokens"], config,
+                                       dtype)  # [PV, D]
         self.layers = DecoderLayers(config, weights, {n: w for n, w in wm.items() if w.per_layer}, dtype)
         self.norm = make_param("norm", weights["norm"], wm["norm"], config, dtype)  # [D]
         if not config.tie_word_embeddings:
-            self.lm_head = make_param("lm_head", weights["lm_head"], wm["lm_head"], config, dtype)  # [D, V]
-        # Not an nnx.Param: placement keeps it float32 whatever the params' dtype.
+            self.lm_head = make_param("lm_head", weights["lm_head"], wm["lm_head"], config, dtype)  # [D, PV]
+        # Not an nnx.Param: the loader places it replicated and keeps it float32 whatever
+        # the params' dtype.
         self.inv_freq = nnx.Variable(jnp.asarray(
             rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)))
 
@@ -173,7 +178,12 @@ class LlamaForCausalLM(CausalLM):
         return rms_norm(h, self.norm[...], c.rms_norm_eps), kv_cache
 
     def compute_logits(self, hidden):
-        """hidden: [R, D] -> logits [R, V] in float32."""
-        if self.config.tie_word_embeddings:
-            return (hidden @ self.embed_tokens[...].T).astype(jnp.float32)
-        return (hidden @ self.lm_head[...]).astype(jnp.float32)
+        """hidden: [R, D] -> logits [R, V] in float32, the real vocabulary only: the
+        padding rows' logits are cut off here, so a padded id is never sampled and never
+        appears in logprobs."""
+        c = self.config
+        if c.tie_word_embeddings:
+            logits = hidden @ self.embed_tokens[...].T
+        else:
+            logits = hidden @ self.lm_head[...]
+        return logits[:, :c.vocab_size].astype(jnp.float32)

@@ -1,33 +1,35 @@
 """One call from a checkpoint folder to a model placed on the mesh."""
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
 from models.base import MODEL
+from models.checkpoint import is_orbax_checkpoint, restore_orbax
 from models.config import ModelArchConfig
 from models.registry import get_model_class
-from models.sharding import check_tensor_parallel, shard_params
-from models.weights import load_hf_weights
+from models.sharding import arch_for_tensor_parallel, place_variables
+from models.weights import stream_safetensors
 
 
 def load_model(model_path: str | Path, *, mesh: Mesh, dtype, progress: bool = True, scan_layers: bool = True):
-    """Returns (ModelArchConfig, graphdef, state): params in ``dtype``, each placed on
-    ``mesh`` with the sharding its model file declares."""
+    """Returns (ModelArchConfig, graphdef, state). The arch is the EFFECTIVE one for the
+    mesh's tensor-parallel size (models/sharding.py: padded vocabulary, replicated KV
+    heads; ``vocab_size`` stays the real vocabulary). Params come in ``dtype``, each
+    read from the safetensors files (or restored from an orbax folder) straight into
+    the sharding its model file declares: no host copy of the whole model is made."""
     arch = ModelArchConfig.from_pretrained(model_path)
     model_cls = get_model_class(arch.architecture)
-    check_tensor_parallel(arch, mesh.shape[MODEL], model_cls)
-    weights = load_hf_weights(model_path, arch, model_cls, progress=progress)
-    # Built on the host in float32 (the params only carry their partitioning), then each
-    # param is placed with its sharding: no full copy per device.
-    on_host = jax.default_device(jax.devices("cpu")[0]) if jax.default_backend() != "cpu" else contextlib.nullcontext()
-    with on_host:
-        model = model_cls(arch, weights, dtype=jnp.float32, scan_layers=scan_layers)
-    del weights
+    arch = arch_for_tensor_parallel(arch, mesh.shape[MODEL], model_cls)
+    if is_orbax_checkpoint(model_path):
+        params = restore_orbax(model_path, arch, model_cls, mesh, dtype)
+    else:
+        params = stream_safetensors(model_path, arch, model_cls, mesh, dtype, progress=progress)
+    # The module is built around the placed arrays (make_param keeps them as they are):
+    # its graph costs no memory, and only the computed variables (rope) are placed here.
+    model = model_cls(arch, params, dtype=dtype, scan_layers=scan_layers)
+    del params
     graphdef, state = nnx.split(model)
-    return arch, graphdef, shard_params(state, mesh, dtype)
+    return arch, graphdef, place_variables(state, mesh)

@@ -1,16 +1,45 @@
-"""Load HF safetensors checkpoints by a model class's weight map (models/base.py)."""
+"""Stream HF safetensors checkpoints onto the mesh by a model class's weight map
+(models/base.py), one device shard at a time (DESIGN §5 "Loading").
+
+Every param is a ``jax.make_array_from_callback`` whose callback reads only the index
+range that device holds, layer by layer for stacked params, transposes, pads or
+replicates it (models/sharding.py: ``source_indices``) and casts it to the serving
+dtype. Host memory therefore peaks near one param's shards, never the model; in a
+multi-controller run each process reads only its own devices' shards.
+
+The files are read with positioned reads (os.preadv), not mmap: the pages of a mapped
+file count in the process's RSS for as long as it stays mapped, and reading a whole
+checkpoint through one open ``safe_open`` handle grows RSS by the file's size.
+"""
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
+import jax
+import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
+from models.base import Weight
 from models.config import ModelArchConfig
-from models.registry import get_model_class
+from models.sharding import checkpoint_arch, source_indices
+
+# The safetensors dtype names (its format spec) that a weight may have.
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+# Reading a column range of a tensor goes through a scratch buffer of whole rows this big.
+_SCRATCH_BYTES = 16 << 20
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -24,43 +53,175 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_hf_weights(model_dir: str | Path, config: ModelArchConfig, model_cls=None, *,
-                    progress: bool = True) -> dict[str, np.ndarray]:
-    """Returns {our name: float32 array} for every entry of the model class's
-    ``weight_map`` (default: the class of ``config.architecture``), transposed where the
-    map says so; per-layer tensors ("{i}" in the name) are stacked on axis 0."""
-    model_cls = model_cls or get_model_class(config.architecture)
-    weight_map = model_cls.weight_map(config)
-    ignored = re.compile("|".join(f"(?:{r})" for r in model_cls.ignored_hf_tensors(config)) or "(?!)")
-    model_dir = Path(model_dir)
-    tensors: dict[str, np.ndarray] = {}
-    files = _safetensors_files(model_dir)
-    for f in tqdm(files, desc="Loading safetensors", disable=not progress or len(files) < 2):
-        # framework="np" keeps torch out of the runtime; bf16 checkpoints come back as
-        # ml_dtypes bfloat16 arrays.
-        with safe_open(str(f), framework="np") as fh:
-            for name in fh.keys():
-                tensors[name] = fh.get_tensor(name)
+@dataclass(frozen=True)
+class TensorInfo:
+    path: Path
+    dtype: str  # safetensors dtype name ("F32", "BF16", ...)
+    shape: tuple[int, ...]
+    offset: int  # file offset of the first byte
+
+
+def _read_into(fd: int, buf: np.ndarray, offset: int) -> None:
+    """Fill the C-contiguous ``buf`` with the file's bytes from ``offset``."""
+    view = memoryview(buf.reshape(-1).view(np.uint8))  # uint8 view: ml_dtypes have no buffer format
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"unexpected end of file at byte {offset + done}")
+        done += n
+
+
+class SafetensorsCheckpoint:
+    """The tensors of a folder's safetensors files by name; ``read`` returns one index
+    range of a tensor. Only the headers are read up front."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.tensors: dict[str, TensorInfo] = {}
+        for path in _safetensors_files(self.model_dir):
+            with open(path, "rb") as f:
+                # Format: u64 little-endian header size, a JSON header, then the raw data.
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            for name, t in header.items():
+                if name != "__metadata__":
+                    self.tensors[name] = TensorInfo(path, t["dtype"], tuple(t["shape"]), 8 + size + t["data_offsets"][0])
+
+    def dtype(self, name: str) -> np.dtype:
+        info = self.tensors[name]
+        if info.dtype not in _DTYPES:
+            raise ValueError(f"{info.path}: tensor {name!r} has dtype {info.dtype}, which is not supported")
+        return np.dtype(_DTYPES[info.dtype])
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """The tensor's ``index`` (one step-1 slice per axis) in its stored dtype. Rows
+        (axis 0) are read as one range; a narrower range of the other axes goes through a
+        scratch buffer of whole rows."""
+        info = self.tensors[name]
+        dtype = self.dtype(name)
+        bounds = [sl.indices(n)[:2] for sl, n in zip(index, info.shape)]
+        if not info.shape:
+            out = np.empty((), dtype)
+            with open(info.path, "rb") as f:
+                _read_into(f.fileno(), out, info.offset)
+            return out
+        (r0, r1), rest = bounds[0], bounds[1:]
+        row_shape = info.shape[1:]
+        row_bytes = math.prod(row_shape) * dtype.itemsize
+        full_rows = all(b == (0, n) for b, n in zip(rest, row_shape))
+        out = np.empty((r1 - r0, *(b - a for a, b in rest)), dtype)
+        with open(info.path, "rb") as f:
+            fd = f.fileno()
+            if full_rows:
+                _read_into(fd, out, info.offset + r0 * row_bytes)
+                return out
+            cols = tuple(slice(a, b) for a, b in rest)
+            step = max(1, _SCRATCH_BYTES // max(row_bytes, 1))
+            scratch = np.empty((min(step, r1 - r0), *row_shape), dtype)
+            for r in range(r0, r1, step):
+                n = min(step, r1 - r)
+                _read_into(fd, scratch[:n], info.offset + r * row_bytes)
+                out[r - r0:r - r0 + n] = scratch[:n][(slice(None), *cols)]
+        return out
+
+
+def _span(indices: np.ndarray) -> slice | None:
+    """``indices`` as a slice when they are consecutive, else None."""
+    if len(indices) and indices[-1] - indices[0] == len(indices) - 1 and np.all(np.diff(indices) == 1):
+        return slice(int(indices[0]), int(indices[-1]) + 1)
+    return None
+
+
+class _ShardReader:
+    """The callback of one param's make_array_from_callback: global index -> that shard,
+    read from the checkpoint in the checkpoint's layout (tp=1, [out, in] where the
+    Weight transposes) and laid out as served. Equal indices (devices holding the same
+    shard) are read once."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint, weight: Weight, arch: ModelArchConfig, dtype) -> None:
+        self.ckpt, self.weight, self.arch, self.dtype = ckpt, weight, arch, np.dtype(dtype)
+        self.shape = weight.shape(arch)
+        self.cache: dict[tuple, np.ndarray] = {}
+
+    def __call__(self, index: tuple[slice, ...]) -> np.ndarray:
+        bounds = tuple(sl.indices(n)[:2] for sl, n in zip(index, self.shape))
+        if bounds not in self.cache:
+            self.cache[bounds] = self._read(bounds)
+        return self.cache[bounds]
+
+    def _read(self, bounds) -> np.ndarray:
+        w = self.weight
+        out = np.zeros([b - a for a, b in bounds], self.dtype)  # padding stays zero
+        dims, axes = (w.dims[1:], bounds[1:]) if w.per_layer else (w.dims, bounds)
+        src = [source_indices(d, self.arch, a, b) for d, (a, b) in zip(dims, axes)]
+        where = [np.flatnonzero(s >= 0) for s in src]  # positions in the shard that hold data
+        if any(len(p) == 0 for p in where):
+            return out
+        wanted = [s[p] for s, p in zip(src, where)]  # checkpoint indices, ascending
+        ck_index = [slice(int(v[0]), int(v[-1]) + 1) for v in wanted]
+        # Replicated KV heads: the checkpoint range is read once, then repeated by take.
+        gathers = [(axis, v - v[0]) for axis, v in enumerate(wanted) if _span(v) is None]
+        spans = [_span(p) for p in where]
+        dst = tuple(spans) if all(s is not None for s in spans) else np.ix_(*where)
+        if w.transpose:
+            ck_index = ck_index[::-1]
+        layers = range(*bounds[0]) if w.per_layer else [None]
+        for k, layer in enumerate(layers):
+            name = w.hf_name.format(i=layer) if w.per_layer else w.hf_name
+            data = self.ckpt.read(name, tuple(ck_index))
+            if w.transpose:
+                data = data.T
+            for axis, rel in gathers:
+                data = np.take(data, rel, axis=axis)
+            (out[k] if w.per_layer else out)[dst] = data  # the cast to the serving dtype
+        return out
+
+
+def check_checkpoint_names(ckpt: SafetensorsCheckpoint, arch: ModelArchConfig, model_cls) -> None:
+    """Every tensor the model needs is there with the expected shape, and no other
+    tensor is left over (the model lists the harmless ones: saved rotary buffers, a
+    tied lm_head copy): a leftover means the checkpoint does math this decoder would
+    skip. Reads the headers only."""
+    stored = checkpoint_arch(arch)
+    ignored = re.compile("|".join(f"(?:{r})" for r in model_cls.ignored_hf_tensors(stored)) or "(?!)")
     used = set()
-
-    def take(name: str, transpose: bool) -> np.ndarray:
-        if name not in tensors:
-            raise ValueError(f"{model_dir}: the checkpoint has no tensor {name!r}, which {config.architecture} needs")
-        used.add(name)
-        w = tensors[name].astype(np.float32)
-        return w.T if transpose else w
-
-    out: dict[str, np.ndarray] = {}
-    for name, w in weight_map.items():
-        if w.per_layer:
-            value = np.stack([take(w.hf_name.format(i=i), w.transpose) for i in range(config.num_hidden_layers)])
-        else:
-            value = take(w.hf_name, w.transpose)
-        out[name] = np.ascontiguousarray(value)
-    # A tensor left over means the checkpoint does math this decoder would skip
-    # (the model lists the harmless ones: saved rotary buffers, a tied lm_head copy).
-    unused = sorted(n for n in tensors if n not in used and not ignored.fullmatch(n))
+    for w in model_cls.weight_map(stored).values():
+        shape = w.shape(stored)
+        names = [w.hf_name.format(i=i) for i in range(stored.num_hidden_layers)] if w.per_layer else [w.hf_name]
+        want = shape[1:] if w.per_layer else shape
+        want = want[::-1] if w.transpose else want
+        for name in names:
+            if name not in ckpt.tensors:
+                raise ValueError(f"{ckpt.model_dir}: the checkpoint has no tensor {name!r}, "
+                                 f"which {arch.architecture} needs")
+            if ckpt.tensors[name].shape != tuple(want):
+                raise ValueError(f"{ckpt.model_dir}: tensor {name!r} has shape {ckpt.tensors[name].shape}; "
+                                 f"config.json implies {tuple(want)}")
+            used.add(name)
+    unused = sorted(n for n in ckpt.tensors if n not in used and not ignored.fullmatch(n))
     if unused:
-        raise ValueError(f"{model_dir}: {len(unused)} checkpoint tensor(s) that {config.architecture} as configured "
-                         f"does not use, e.g. {unused[:3]}; this model variant is not supported")
-    return out
+        raise ValueError(f"{ckpt.model_dir}: {len(unused)} checkpoint tensor(s) that {arch.architecture} as "
+                         f"configured does not use, e.g. {unused[:3]}; this model variant is not supported")
+
+
+def stream_safetensors(model_dir: str | Path, arch: ModelArchConfig, model_cls, mesh: Mesh, dtype, *,
+                       progress: bool = True) -> dict[str, jax.Array]:
+    """{our name: jax.Array} for every entry of ``model_cls.weight_map(arch)``, ``arch``
+    being the effective (tensor-parallel) architecture: each in ``dtype``, shaped as
+    served and placed with the partitioning its Weight declares."""
+    ckpt = SafetensorsCheckpoint(model_dir)
+    check_checkpoint_names(ckpt, arch, model_cls)
+    weight_map = model_cls.weight_map(arch)
+    total = sum(arch.num_hidden_layers if w.per_layer else 1 for w in weight_map.values())
+    params = {}
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for name, w in weight_map.items():
+            sharding = NamedSharding(mesh, P(*w.partition))
+            params[name] = jax.make_array_from_callback(w.shape(arch), sharding, _ShardReader(ckpt, w, arch, dtype),
+                                                        dtype=dtype)
+            # Back-pressure: host-to-device copies may be asynchronous (accelerators);
+            # waiting here keeps at most one param's host buffers alive at a time.
+            params[name].block_until_ready()
+            bar.update(arch.num_hidden_layers if w.per_layer else 1)
+    return params

@@ -27,6 +27,7 @@ def main() -> int:
 
     llm = LLM(model, tensor_parallel_size=int(tp), data_parallel_size=int(dp), max_model_len=128, max_num_seqs=8,
               max_num_batched_tokens=64, kv_cache_memory=2 << 20, compilation_cache=False, progress=False,
+              enforce_eager=True,  # compile on first use: fewer programs, for a quick test
               distributed_coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=int(pid))
     assert pid == "0", "only the leader returns from LLM()"
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

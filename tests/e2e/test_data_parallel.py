@@ -34,7 +34,7 @@ def _run(llm):
 @pytest.fixture(scope="module")
 def model(tiny_models):
     # Vocabulary and KV heads that tp 4 does not divide: padded and replicated.
-    return tiny_models("qwen2", kv_heads=2, vocab=1013)  # noqa: tp > 1 cases need the padded vocabulary
+    return tiny_models("qwen2", kv_heads=2, vocab=1013)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def reference(model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp,tp", [(2, 1)])
+@pytest.mark.parametrize("dp,tp", [(2, 1), (2, 2), (2, 4)])
 def test_data_parallel_matches_one_device(model, reference, dp, tp):
     llm = LLM(str(model), data_parallel_size=dp, tensor_parallel_size=tp, **ENGINE)
     runner, core = llm.llm_engine.model_runner, llm.llm_engine.engine_core

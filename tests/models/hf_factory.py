@@ -5,14 +5,15 @@ from pathlib import Path
 
 
 def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv_heads: int = 2,
-                       seed: int = 0, vocab: int = 512, layers: int = 2, max_pos: int = 512, **config_kw) -> Path:
+                       seed: int = 0, vocab: int = 512, layers: int = 2, max_pos: int = 512, heads: int = 4,
+                       **config_kw) -> Path:
     """config_kw go to the HF config (e.g. attention_bias=True, mlp_bias=True)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
                   tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0, **config_kw)
     if arch == "llama":
         cfg = transformers.LlamaConfig(**common, head_dim=16, rms_norm_eps=1e-5)

@@ -1,6 +1,8 @@
 """Unsupported model variants fail with one clear error, before any weights load."""
 import json
 
+import jax
+import numpy as np
 import pytest
 
 from models.config import ModelArchConfig
@@ -36,26 +38,36 @@ def test_bias_flags_follow_hf():
     assert mistral.sliding_window == 4096
 
 
-def test_tensor_parallel_sizes_must_divide():
-    from models.sharding import check_tensor_parallel
+def test_tensor_parallel_sizes():
+    """tp must divide the attention heads and the MLP width; the vocabulary is padded and
+    KV heads are replicated, so those need not divide."""
+    from models.sharding import arch_for_tensor_parallel, valid_tensor_parallel_sizes
 
-    check_tensor_parallel(cfg(), 2)
-    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide num_key_value_heads=2"):
-        check_tensor_parallel(cfg(), 4)
-    with pytest.raises(ValueError, match="does not divide vocab_size=129"):
-        check_tensor_parallel(cfg(vocab_size=129), 2)
-    check_tensor_parallel(cfg(vocab_size=129, tie_word_embeddings=True), 2)  # tied: embeddings replicated
+    assert valid_tensor_parallel_sizes(cfg()) == [1, 2, 4]  # 4 heads, 2 KV heads
+    assert arch_for_tensor_parallel(cfg(), 4).num_key_value_heads == 4
+    assert arch_for_tensor_parallel(cfg(vocab_size=129), 2).padded_vocab_size == 130
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide num_attention_heads=4; "
+                                         "valid sizes for this model: 1, 2, 4"):
+        arch_for_tensor_parallel(cfg(), 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide num_key_value_heads=3"):
+        arch_for_tensor_parallel(cfg(num_attention_heads=6, num_key_value_heads=3, head_dim=16), 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 is not a multiple of num_key_value_heads=3"):
+        arch_for_tensor_parallel(cfg(num_attention_heads=12, num_key_value_heads=3, head_dim=16), 4)
+    with pytest.raises(ValueError, match="does not divide intermediate_size=130"):
+        arch_for_tensor_parallel(cfg(intermediate_size=130), 4)
 
 
 def test_checkpoint_tensors_the_config_would_ignore(tmp_path):
     """A checkpoint with MLP biases whose config.json says mlp_bias=false is refused."""
     from hf_factory import make_tiny_hf_model
+    from jax.sharding import Mesh
 
-    from models.weights import load_hf_weights
+    from models.loader import load_model
 
     path = make_tiny_hf_model(tmp_path / "m", "llama", mlp_bias=True)
     config = json.loads((path / "config.json").read_text())
     config["mlp_bias"] = False
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"6 checkpoint tensor\(s\) that LlamaForCausalLM as configured does not use"):
-        load_hf_weights(path, ModelArchConfig.from_pretrained(path), progress=False)
+        load_model(path, mesh=Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model")),
+                   dtype=np.float32, progress=False)

@@ -1,5 +1,5 @@
 """Each model file declares its params' partitioning (nnx sharding metadata); the
-loader places params by it and never shards while building on the host."""
+loader reads every param straight into it (never built on the host, then placed)."""
 import subprocess
 import sys
 
@@ -22,6 +22,7 @@ EXPECTED = {
     **dict.fromkeys(["o_proj", "down_proj"], ROW),
     **dict.fromkeys(["q_bias", "k_bias", "v_bias", "gate_bias", "up_bias"], COLUMN_BIAS),
     "lm_head": P(None, "model"),
+    "embed_tokens": P("model", None),  # split by vocabulary (padded to a multiple of tp)
 }
 
 
@@ -62,7 +63,7 @@ def test_params_carry_their_partitioning(tmp_path, case):
         x = var.get_value()
         if isinstance(var, nnx.Param):
             want = EXPECTED.get(name, P(*[None] * x.ndim))
-            assert not var.get_metadata()["eager_sharding"], name  # built on the host, placed later
+            assert not var.get_metadata()["eager_sharding"], name  # placed by the loader, not by nnx
             assert spec.get_value() == want, name
             assert x.sharding.spec == want, name
             assert x.dtype == jnp.bfloat16, name
