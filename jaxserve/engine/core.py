@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import os
 
 import jax
 
@@ -38,13 +39,24 @@ class EngineCore:
         # Before anything touches a device: joins the other processes when this is a
         # multi-host run (flags, or a TPU pod / launcher environment); else nothing.
         initialize_distributed(pc.distributed_coordinator_address, pc.num_processes, pc.process_id)
-        self.model_runner = ModelRunner(config, model_path, progress=progress)
-        self.warmup_seconds = 0.0
-        if not config.enforce_eager:
-            self.warmup_seconds = self.model_runner.warmup()
         self._channel: StepChannel | None = None
-        if is_multihost():
-            self._channel = StepChannel()
+        try:
+            self.model_runner = ModelRunner(config, model_path, progress=progress)
+            self.warmup_seconds = 0.0
+            if not config.enforce_eager:
+                self.warmup_seconds = self.model_runner.warmup()
+            if is_multihost():
+                self._channel = StepChannel()
+        except Exception:
+            if not is_multihost():
+                raise
+            # A process that fails while starting must not linger: JAX's exit hook would
+            # wait in its shutdown barrier while the others wait for this process, until
+            # a timeout of minutes. Gone at once, the others' heartbeat checks end them.
+            logger.exception("process %d failed while starting; ending it", jax.process_index())
+            logging.shutdown()
+            os._exit(1)
+        if self._channel is not None:
             if not is_leader():
                 steps = run_follower(self.model_runner.execute_model, self._channel)
                 logger.info("follower %d: the leader shut down after %d steps", jax.process_index(), steps)

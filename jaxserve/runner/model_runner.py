@@ -136,7 +136,7 @@ class ModelRunner:
         self.num_blocks = determine_num_blocks(
             self.arch, block_size=self.block_size, dtype=self.dtype, max_model_len=self.max_model_len,
             gpu_memory_utilization=cc.gpu_memory_utilization, kv_cache_memory=cc.kv_cache_memory,
-            num_gpu_blocks_override=cc.num_gpu_blocks_override, device=self.mesh.devices.flat[0],
+            num_gpu_blocks_override=cc.num_gpu_blocks_override, device=self._local_device(),
             tensor_parallel_size=pc.tensor_parallel_size, num_devices=self.mesh.size,
         )
         self.kv_cache = allocate_kv_cache(self.arch, self.num_blocks, self.block_size, self.dtype, self.mesh)
@@ -155,6 +155,10 @@ class ModelRunner:
             mc.attention_backend, self.platform, self.mesh, sm_scale=self.arch.head_dim ** -0.5,
             sliding_window=self.arch.sliding_window, interpret=self.platform == "cpu")
         self._build_step_functions()
+
+    def _local_device(self) -> jax.Device:
+        """A mesh device of this process (multi-host: only those report memory stats)."""
+        return next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
 
     @property
     def input_batch(self) -> InputBatch:

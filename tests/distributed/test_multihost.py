@@ -54,24 +54,8 @@ def test_clean_run_idle_leader_and_shutdown(pair):
     assert held <= 3, held
 
 
-@pytest.mark.timeout(120)
-def test_follower_killed_mid_run_ends_leader(pair):
-    # Default timeouts (channel watchdog 20 s, JAX heartbeat 30 s): this is
-    # the configuration that has to meet the 60 s bound.
-    leader, follower = pair("forever")
-    leader.wait_for("STEP 3\n", 60)
-    follower.wait_for("STEP 3\n", 10)
-    follower.popen.send_signal(signal.SIGKILL)
-    t0 = time.monotonic()
-    rc = leader.wait(70)
-    elapsed = time.monotonic() - t0
-    print(f"leader exited {rc} {elapsed:.1f}s after the follower was killed")
-    assert rc == mh.PEER_LOST_EXIT_CODE, (rc, leader.err[-3000:])
-    assert elapsed < 60, elapsed
-    # On CPU the leader's next gloo collective fails at once (connection
-    # reset); the leader unwinds, its exit hook aborts the stream, and the
-    # watchdog ends it once the follower has been silent for peer_timeout_s.
-    assert "lost follower process 1" in leader.err, leader.err[-3000:]
+# A follower killed under the default timeouts (the 60 s bound) is
+# tests/distributed/test_multihost_engine.py's, through the whole engine.
 
 
 @pytest.mark.timeout(120)
