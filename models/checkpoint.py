@@ -19,9 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import jax
@@ -30,6 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from models.atomic_folder import write_folder_atomically
 from models.base import MODEL, Weight
 from models.config import ModelArchConfig
 from models.registry import get_model_class
@@ -184,26 +183,10 @@ def convert_to_orbax(model_dir: str | Path, out_dir: str | Path, *, dtype: str =
     ``dtype``: auto (the checkpoint's own), float32, bfloat16 or float16. The folder
     appears whole (written into a temporary sibling, renamed into place); an existing
     non-empty ``out_dir`` is an error unless ``overwrite``."""
-    model_dir, out_dir = Path(model_dir), Path(out_dir).expanduser().absolute()
+    model_dir = Path(model_dir)
     if dtype != "auto" and dtype not in _DTYPES:
         raise ValueError(f"dtype must be auto or one of {', '.join(_DTYPES)}; got {dtype!r}")
     if is_orbax_checkpoint(model_dir):
         raise ValueError(f"{model_dir} is already an orbax folder")
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists and is not empty")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        _write_folder(model_dir, tmp, dtype, progress)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.rename(out_dir, old / "old")  # rename cannot replace a non-empty folder
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    return write_folder_atomically(out_dir, lambda tmp: _write_folder(model_dir, tmp, dtype, progress),
+                                   overwrite=overwrite)

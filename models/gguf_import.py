@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from models.atomic_folder import write_folder_atomically
 
 __all__ = ["convert_gguf_to_hf", "CONVERTER_VERSION", "MARKER_FILE"]
 
@@ -344,29 +344,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     generation_config.json: a GGUF file carries no sampling recommendations of its own.
     """
     gguf_path = Path(gguf_path)
-    out_dir = Path(out_dir).expanduser().absolute()
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists and is not empty")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-
-    # A sibling (same filesystem) so the final rename is atomic.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        _write_folder(gguf_path, tmp, progress, generation_defaults or {})
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the result should look like a normal folder
-        if out_dir.exists() and any(out_dir.iterdir()):
-            if not overwrite:  # someone else filled it while we converted
-                raise FileExistsError(f"{out_dir} already exists and is not empty")
-            # Move the old folder aside first: rename cannot replace a non-empty dir.
-            trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.rename(out_dir, trash / "old")
-            os.rename(tmp, out_dir)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)  # on POSIX this also replaces an empty directory
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    return write_folder_atomically(
+        out_dir, lambda tmp: _write_folder(gguf_path, tmp, progress, generation_defaults or {}), overwrite=overwrite)
