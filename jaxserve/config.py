@@ -83,11 +83,6 @@ class ParallelConfig:
             raise ValueError(f"process_id must be in [0, num_processes), got {self.process_id} "
                              f"with num_processes={self.num_processes}")
 
-    @property
-    def world_size(self) -> int:
-        """Devices the mesh uses."""
-        return self.tensor_parallel_size * self.data_parallel_size
-
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:

@@ -64,9 +64,8 @@ class EngineCore:
             atexit.register(self.shutdown)
         self.schedulers = [
             Scheduler(config.scheduler_config, config.cache_config, self.model_runner.num_blocks)
-            for _ in range(config.parallel_config.data_parallel_size)
+            for _ in range(pc.data_parallel_size)
         ]
-        self._rank_of: dict[str, int] = {}  # unfinished request id -> its rank
         self.num_steps = 0  # steps that ran the model
 
     def shutdown(self) -> None:
@@ -81,21 +80,17 @@ class EngineCore:
         return self.schedulers[0]
 
     def add_request(self, request: Request) -> None:
-        rank = choose_rank(self.schedulers, request)
-        self.schedulers[rank].add_request(request)
-        self._rank_of[request.request_id] = rank
+        self.schedulers[choose_rank(self.schedulers, request)].add_request(request)
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._rank_of
+        """Unfinished on some rank (each scheduler's ``requests`` is the truth)."""
+        return any(request_id in s.requests for s in self.schedulers)
 
     def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
-        by_rank: dict[int, list[str]] = {}
-        for rid in request_ids:
-            rank = self._rank_of.pop(rid, None)
-            if rank is not None:
-                by_rank.setdefault(rank, []).append(rid)
-        for rank, rids in by_rank.items():
-            self.schedulers[rank].finish_requests(rids, status)
+        for sched in self.schedulers:
+            mine = [rid for rid in request_ids if rid in sched.requests]
+            if mine:
+                sched.finish_requests(mine, status)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._finish(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -126,9 +121,6 @@ class EngineCore:
         results: list[EngineCoreOutput] = []
         for sched, so, ro in zip(self.schedulers, outputs, runner_outputs):
             results += sched.update_from_output(so, ro)
-        for out in results:
-            if out.finished:
-                self._rank_of.pop(out.request_id, None)
         return results
 
 
