@@ -4,10 +4,11 @@ The engine core (jaxserve.core) is pure Python; importing this package does not
 import JAX until LLM is touched.
 """
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind", "StructuredOutputsParams",
+           "__version__"]
 
 
 def __getattr__(name):

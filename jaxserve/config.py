@@ -133,12 +133,44 @@ class ModelConfig:
         return out
 
 
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance", "llguidance")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StructuredOutputsConfig:
+    """Grammar-constrained decoding (vLLM's StructuredOutputsConfig).
+
+    backend: "xgrammar", "guidance" (llguidance; "llguidance" is an alias) or "auto":
+    xgrammar when it is installed (it needs torch), else llguidance; a request whose
+    grammar xgrammar cannot handle falls back to llguidance.
+    reasoning_parser: the model's reasoning format (jaxserve/reasoning); a constraint
+    applies only once the reasoning has ended, and the server splits it off as
+    ``reasoning_content``."""
+
+    backend: str = "auto"
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}; "
+                             f"got {self.backend!r}")
+        if self.backend == "llguidance":
+            object.__setattr__(self, "backend", "guidance")
+        if self.reasoning_parser is not None:
+            from jaxserve.reasoning import REASONING_PARSERS
+
+            if self.reasoning_parser not in REASONING_PARSERS:
+                raise ValueError(f"reasoning_parser must be one of {', '.join(sorted(REASONING_PARSERS))}; "
+                                 f"got {self.reasoning_parser!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # Padded sizes the runner compiles for; None: powers of two from the floor up to the max.
     token_buckets: tuple[int, ...] | None = None
     request_buckets: tuple[int, ...] | None = None

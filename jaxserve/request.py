@@ -10,6 +10,7 @@ from jaxserve.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # in the waiting queue until its grammar is compiled
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this is finished.
@@ -58,7 +59,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
         "priority", "cache_salt", "status", "stop_reason", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "max_tokens", "block_hashes",
-        "_all_token_ids", "_output_token_ids", "_block_hasher",
+        "_all_token_ids", "_output_token_ids", "_block_hasher", "structured_output_request",
     )
 
     def __init__(
@@ -95,6 +96,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
         self.update_block_hashes()
+        # Set by the StructuredOutputManager for a constrained request.
+        self.structured_output_request = None
 
     # --- tokens -----------------------------------------------------------------------
     @property

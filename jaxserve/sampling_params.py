@@ -19,6 +19,52 @@ from dataclasses import dataclass, field
 _MIN_TEMPERATURE = 1e-2
 
 
+@dataclass(frozen=True, kw_only=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's StructuredOutputsParams): exactly one
+    of json (a JSON schema, as a dict or its text), json_object (any JSON object),
+    regex, choice (one of these strings) or grammar (EBNF / Lark).
+
+    disable_any_whitespace: JSON without optional whitespace (compact output; also
+    keeps a weak model from emitting whitespace forever). disable_additional_properties:
+    objects whose schema does not say otherwise take no extra keys."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs: exactly one of json, regex, choice, grammar or json_object must be set, "
+                f"got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (object or string), got "
+                             f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            object.__setattr__(self, "choice", list(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: one of KINDS."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output carries everything so far
     DELTA = 1  # every output carries only what is new (streaming)
@@ -48,6 +94,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Grammar-constrained decoding (JSON schema, regex, choice, EBNF).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine from the tokenizer / generation config: EOS plus
     # stop_token_ids; the detokenizer holds text back this many characters.
     _all_stop_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
@@ -119,6 +167,9 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers.")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are only supported when detokenize is True.")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         if self.temperature == 0.0 and self.n > 1:
             raise ValueError("n must be 1 when using greedy sampling (temperature 0).")
 

@@ -27,7 +27,9 @@ from jaxserve.config import (
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    STRUCTURED_OUTPUTS_BACKENDS,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 from jaxserve.core.sched.request_queue import SchedulingPolicy
 
@@ -44,6 +46,12 @@ def _attention_backends() -> tuple[str, ...]:
     from pallas_kernels.backend import BACKENDS
 
     return BACKENDS
+
+
+def _reasoning_parsers() -> tuple[str, ...]:
+    from jaxserve.reasoning import REASONING_PARSERS
+
+    return tuple(sorted(REASONING_PARSERS))
 
 
 def _arg(help: str, **cli) -> dict:
@@ -105,6 +113,13 @@ class EngineArgs:
     num_processes: int | None = field(default=None, metadata=_arg("Multi-host: processes in all."))
     process_id: int | None = field(default=None, metadata=_arg(
         "Multi-host: this process's index (0 runs the scheduler and the server; the others follow)."))
+    # ------------------------------------------------------------------ structured outputs
+    structured_outputs_backend: str = field(default="auto", metadata=_arg(
+        "Grammar engine for constrained decoding (auto: xgrammar if installed, else llguidance; "
+        "llguidance also takes what xgrammar cannot).", choices=STRUCTURED_OUTPUTS_BACKENDS))
+    reasoning_parser: str | None = field(default=None, metadata=_arg(
+        "The model's reasoning format: output up to </think> is reasoning_content, and a constraint applies "
+        "after it.", choices=_reasoning_parsers))
     # ------------------------------------------------------------------ compilation
     enforce_eager: bool = field(default=False, metadata=_arg("Skip the start-up warm-up (compile on demand)."))
     token_buckets: list[int] | None = field(default=None, metadata=_arg(
@@ -193,6 +208,8 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
                 distributed_coordinator_address=self.distributed_coordinator_address,
                 num_processes=self.num_processes, process_id=self.process_id),
+            structured_outputs_config=StructuredOutputsConfig(
+                backend=self.structured_outputs_backend, reasoning_parser=self.reasoning_parser),
             enforce_eager=self.enforce_eager,
             token_buckets=tuple(self.token_buckets) if self.token_buckets else None,
             request_buckets=tuple(self.request_buckets) if self.request_buckets else None,

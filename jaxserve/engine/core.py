@@ -28,6 +28,7 @@ from jaxserve.engine.multihost import StepChannel, initialize_distributed, is_le
 from jaxserve.outputs import EngineCoreOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("jaxserve")
 
@@ -67,12 +68,21 @@ class EngineCore:
             for _ in range(pc.data_parallel_size)
         ]
         self.num_steps = 0  # steps that ran the model
+        self.structured_output_manager: StructuredOutputManager | None = None
+
+    def attach_structured_output_manager(self, manager: StructuredOutputManager) -> None:
+        """Grammar-constrained decoding (it needs the tokenizer, which the engine owns)."""
+        self.structured_output_manager = manager
+        for sched in self.schedulers:
+            sched.structured_output_manager = manager
 
     def shutdown(self) -> None:
         """Multi-host: tell the followers to exit (0). Idempotent; also run at exit."""
         if self._channel is not None:
             channel, self._channel = self._channel, None
             channel.close()
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.shutdown()
 
     @property
     def scheduler(self) -> Scheduler:
@@ -80,6 +90,10 @@ class EngineCore:
         return self.schedulers[0]
 
     def add_request(self, request: Request) -> None:
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("structured_outputs: this engine has no structured output manager")
+            self.structured_output_manager.grammar_init(request)
         self.schedulers[choose_rank(self.schedulers, request)].add_request(request)
 
     def has_request(self, request_id: str) -> bool:
@@ -112,13 +126,14 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         outputs = [s.schedule() for s in self.schedulers]
+        # Requests that ended inside schedule() (a grammar that failed to compile).
+        results: list[EngineCoreOutput] = [o for s in self.schedulers for o in s.take_pending_outputs()]
         if not any(so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids for so in outputs):
-            return []  # nothing for the runner to run or to forget
+            return results  # nothing for the runner to run or to forget
         if self._channel is not None:
             self._channel.publish(outputs)  # the followers run the same step
         runner_outputs = self.model_runner.execute_model(outputs)
         self.num_steps += 1
-        results: list[EngineCoreOutput] = []
         for sched, so, ro in zip(self.schedulers, outputs, runner_outputs):
             results += sched.update_from_output(so, ro)
         return results

@@ -10,7 +10,7 @@ from jaxserve.sampling_params import SamplingParams
 class InputProcessor:
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_logprobs: int,
                  eos_token_ids: set[int], primary_eos: int | None = None,
-                 kv_cache_tokens: int | None = None) -> None:
+                 kv_cache_tokens: int | None = None, structured_output_manager=None) -> None:
         self.tokenizer = tokenizer
         # Tokens the whole KV cache holds. Sized from memory it holds max_model_len; a
         # small num_gpu_blocks_override may not, and a request that cannot fit even
@@ -21,6 +21,7 @@ class InputProcessor:
         self.max_logprobs = max_logprobs
         self.eos_token_ids = eos_token_ids
         self.primary_eos = primary_eos
+        self.structured_output_manager = structured_output_manager
 
     def tokenize(self, prompt, *, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """prompt: str, {"prompt": str} or {"prompt_token_ids": [...]}; returns (text, ids)."""
@@ -61,6 +62,11 @@ class InputProcessor:
                 raise ValueError(
                     f"Requested {name} of {v}, which is greater than max allowed: {self.max_logprobs}"
                 )
+        if params.structured_outputs is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("structured_outputs: this engine has no structured output manager")
+            # Parsed here (cheap), so a bad schema / regex / grammar fails the request at once.
+            self.structured_output_manager.validate(params.structured_outputs)
 
     def resolve_params(self, prompt_len: int, params: SamplingParams) -> tuple[SamplingParams, int]:
         """EOS folded into the stop ids (for min_tokens), max_tokens resolved."""

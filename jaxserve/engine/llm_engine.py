@@ -14,6 +14,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_output import StructuredOutputManager
 
 if TYPE_CHECKING:
     from jaxserve.core.sched.scheduler import Scheduler, SchedulerStats
@@ -36,11 +37,15 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else (
             min(eos) if eos else None)
+        self.structured_output_manager = StructuredOutputManager(
+            config.structured_outputs_config, self.tokenizer, vocab_size=runner.vocab_size, eos_token_ids=eos)
+        self.engine_core.attach_structured_output_manager(self.structured_output_manager)
         self.input_processor = InputProcessor(
             self.tokenizer, vocab_size=runner.vocab_size, max_model_len=config.scheduler_config.max_model_len,
             max_logprobs=mc.max_logprobs, eos_token_ids=eos,
             primary_eos=self.eos_token_id,
-            kv_cache_tokens=(runner.num_blocks - 1) * config.cache_config.block_size)
+            kv_cache_tokens=(runner.num_blocks - 1) * config.cache_config.block_size,
+            structured_output_manager=self.structured_output_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_seconds = time.perf_counter() - t0
         # caller's request id -> engine request ids (children of n > 1), while unfinished.

@@ -106,7 +106,10 @@ class OutputProcessor:
             st.num_cached_tokens = eco.num_cached_tokens
             st.token_ids.extend(eco.new_token_ids)
             finish_reason, stop_reason = eco.finish_reason, eco.stop_reason
-            stop_terminated = finish_reason == FinishReason.STOP and bool(eco.new_token_ids)
+            # The last token is an EOS / stop token (whose text is hidden), not the token that
+            # completed a grammar (structured outputs), which is text like any other.
+            stop_terminated = (finish_reason == FinishReason.STOP and bool(eco.new_token_ids)
+                               and eco.new_token_ids[-1] in st.params.all_stop_token_ids)
             stop_str = st.detokenizer.update(eco.new_token_ids, stop_terminated)
             if stop_str is not None and finish_reason is None:
                 finish_reason, stop_reason = FinishReason.STOP, stop_str

@@ -33,8 +33,9 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int, vocab_size: int) -> None:
         self.max_num_reqs = max_num_reqs
+        self.bitmask_words = (vocab_size + 31) // 32
         self.max_model_len = max_model_len
         n = max_num_reqs
         self.req_ids: list[str | None] = [None] * n
@@ -132,6 +133,8 @@ class InputBatch:
             stop_ids_masked=np.where((num_out < self.min_tokens[rows])[:, None], self.stop_ids[rows],
                                      -1).astype(np.int32),
             token_history=history, prompt_lens=self.num_prompt_tokens[rows], total_lens=total_lens.astype(np.int32),
+            # Everything allowed; the runner writes the constrained rows' grammar masks.
+            allowed_token_bitmask=np.full((len(rows), self.bitmask_words), -1, np.int32),
         )
 
     def is_greedy(self, rows: np.ndarray) -> bool:

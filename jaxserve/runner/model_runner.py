@@ -145,8 +145,8 @@ class ModelRunner:
         self.request_buckets = BucketTable(
             config.request_buckets or power_of_two_buckets(min(MIN_REQUEST_BUCKET, self.max_num_reqs), self.max_num_reqs)
         )
-        self.input_batches = [InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req)
-                              for _ in range(self.dp)]
+        self.input_batches = [InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req,
+                                         self.vocab_size) for _ in range(self.dp)]
         self.requests: dict[str, CachedRequestState] = {}
         self._seed_rng = np.random.default_rng(mc.seed)
         self.attention_backend, _ = resolve_backend(mc.attention_backend, self.platform)
@@ -357,7 +357,14 @@ class ModelRunner:
             # Sampling rows, padded to the request bucket (padded rows repeat row 0; dropped).
             prow = np.zeros(r_pad, np.int64)
             prow[:len(rws)] = rws
-            smds.append(ib.make_sampling_metadata(prow, use_penalties=use_penalties))
+            smd_rank = ib.make_sampling_metadata(prow, use_penalties=use_penalties)
+            if so.grammar_bitmask is not None:
+                # Each constrained request's mask goes to its sampling row (its index in req_ids).
+                index = {r: i for i, r in enumerate(req_ids)}
+                at = np.fromiter((index[r] for r in so.structured_output_request_ids), np.int64,
+                                 len(so.structured_output_request_ids))
+                smd_rank.allowed_token_bitmask[at] = so.grammar_bitmask
+            smds.append(smd_rank)
         smd = smds[0] if self.dp == 1 else jax.tree.map(lambda *xs: np.concatenate(xs), *smds)
         return PreparedStep(
             ranks=rank_steps, model_key=ModelStepKey(t_pad), model_inputs=(input_ids, positions, md, logits_indices),

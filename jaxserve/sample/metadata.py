@@ -22,3 +22,6 @@ class SamplingMetadata:
     token_history: jax.Array  # [R, Lh] int32: prompt + output ids (Lh = 1 when no penalties)
     prompt_lens: jax.Array  # [R] int32
     total_lens: jax.Array  # [R] int32
+    # Packed grammar masks (structured outputs): bit t of word t // 32 set = token t
+    # allowed; all ones (-1) for unconstrained rows.
+    allowed_token_bitmask: jax.Array  # [R, ceil(V/32)] int32

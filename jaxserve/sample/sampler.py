@@ -1,6 +1,7 @@
 """The sampler, run inside the jitted step on logits [R, V].
 
-Order as vLLM: logprobs from the raw logits; then min_tokens masking, penalties,
+Order as vLLM: the grammar mask (structured outputs) first; logprobs from those
+logits (so a token the grammar forbids has logprob -inf); then min_tokens masking, penalties,
 temperature, min-p / top-k / top-p; then a draw. Each row's random key is
 fold_in(key(seed), output_pos), so a seeded request draws the same tokens
 whatever else is in the batch (and after a preemption).
@@ -14,6 +15,17 @@ from jaxserve.sample.metadata import SamplingMetadata
 
 _NEG_INF = -jnp.inf
 TOP_K_CANDIDATES = 1024
+
+
+def apply_grammar_bitmask(logits, bitmask):
+    """logits [R, V], bitmask [R, ceil(V/32)] int32 packed (bit t % 32 of word t // 32
+    = token t allowed) -> logits with the forbidden tokens at -inf. All-ones rows (no
+    constraint) are unchanged; unpacking is elementwise over [R, V] and fuses."""
+    v = logits.shape[1]
+    vocab = jnp.arange(v, dtype=jnp.int32)
+    words = jnp.take(bitmask, vocab // 32, axis=1)  # [R, V]
+    allowed = (jnp.right_shift(words, vocab % 32) & 1).astype(jnp.bool_)
+    return jnp.where(allowed, logits, _NEG_INF)
 
 
 def apply_min_tokens(logits, md: SamplingMetadata):
@@ -101,6 +113,7 @@ def compute_logprobs(logits, sampled, num_logprobs: int):
 
 def sample(logits, md: SamplingMetadata, *, greedy_only: bool, use_penalties: bool, num_logprobs: int):
     """logits: [R, V] f32 -> (sampled [R] int32, logprob ids [R, k+1], logprobs [R, k+1], ranks [R])."""
+    logits = apply_grammar_bitmask(logits, md.allowed_token_bitmask)
     raw = logits
     logits = apply_min_tokens(logits, md)
     if use_penalties:

@@ -6,8 +6,10 @@ from pathlib import Path
 
 def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv_heads: int = 2,
                        seed: int = 0, vocab: int = 512, layers: int = 2, max_pos: int = 512, heads: int = 4,
-                       **config_kw) -> Path:
-    """config_kw go to the HF config (e.g. attention_bias=True, mlp_bias=True)."""
+                       tokenizer: str = "words", **config_kw) -> Path:
+    """config_kw go to the HF config (e.g. attention_bias=True, mlp_bias=True).
+    tokenizer: "words" (w3 w4 ...: text round-trips) or "bytes" (a byte-level BPE
+    that can spell any text, e.g. JSON, as grammar-constrained decoding needs)."""
     import torch
     import transformers
 
@@ -41,7 +43,10 @@ def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv
                 p.normal_(0, 0.5)
     model = model.float().eval()
     model.save_pretrained(path)
-    _write_tokenizer(path, vocab)
+    if tokenizer == "bytes":
+        _write_byte_tokenizer(path, vocab)
+    else:
+        _write_tokenizer(path, vocab)
     return path
 
 
@@ -59,4 +64,26 @@ def _write_tokenizer(path: Path, vocab: int) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
                           "{% if add_generation_prompt %}w3 {% endif %}")
+    fast.save_pretrained(path)
+
+
+def _write_byte_tokenizer(path: Path, vocab: int) -> None:
+    """A byte-level BPE (GPT-2 style) trained on a little JSON-ish text: the 256 bytes,
+    <s> / </s> / <unk> and merges up to ``vocab``; ids 0-2 are <unk>, <s>, </s> as in
+    the word tokenizer, so the model config's bos / eos ids hold."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ['{"name": "value", "id": 12, "items": [1, 2, 3], "ok": true, "x": null}',
+              "the quick brown fox jumps over the lazy dog 0123456789",
+              '<tool_call> {"arguments": {}} </tool_call> yes no maybe']
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant: {% endif %}")
     fast.save_pretrained(path)

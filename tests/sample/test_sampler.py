@@ -16,7 +16,8 @@ def md(r=1, **kw):
                 frequency_penalty=np.zeros(r, np.float32), repetition_penalty=np.ones(r, np.float32),
                 seeds=np.arange(r, dtype=np.uint32), output_pos=np.zeros(r, np.int32),
                 stop_ids_masked=np.full((r, 4), -1, np.int32), token_history=np.zeros((r, 1), np.int32),
-                prompt_lens=np.zeros(r, np.int32), total_lens=np.zeros(r, np.int32))
+                prompt_lens=np.zeros(r, np.int32), total_lens=np.zeros(r, np.int32),
+                allowed_token_bitmask=np.full((r, (V + 31) // 32), -1, np.int32))
     base.update({k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in kw.items()})
     return SamplingMetadata(**base)
 
@@ -166,3 +167,34 @@ def test_draw_never_picks_a_masked_token(monkeypatch, u):
     logits = jnp.asarray(np.linspace(-1, 1, V)[None].repeat(4, 0), jnp.float32)
     s, *_ = sample(logits, md(4, top_k=np.ones(4, np.int32)), greedy_only=False, use_penalties=False, num_logprobs=0)
     assert (np.asarray(s) == V - 1).all()
+
+
+def _pack(allowed_rows, v=V):
+    """[[token ids]] -> packed [R, ceil(V/32)] int32 masks (the layout xgrammar / llguidance write)."""
+    bits = np.zeros((len(allowed_rows), ((v + 31) // 32) * 32), np.uint8)
+    for i, ids in enumerate(allowed_rows):
+        bits[i, ids] = 1
+    return np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_grammar_bitmask_masks_before_everything(greedy):
+    """Only allowed tokens are drawn; forbidden ones have logprob -inf; an all-ones row is untouched."""
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.standard_normal((3, V)) * 3, jnp.float32)
+    allowed = [[5, 33, 63], [0], list(range(V))]
+    mask = _pack(allowed)
+    assert (mask[2] == -1).all()
+    temp = np.zeros(3, np.float32) if greedy else np.ones(3, np.float32)
+    for seed in range(20):
+        m = md(3, temperature=temp, allowed_token_bitmask=mask, seeds=np.full(3, seed, np.uint32))
+        s, ids, lps, _ = sample(logits, m, greedy_only=greedy, use_penalties=False, num_logprobs=4)
+        s = np.asarray(s)
+        assert s[0] in allowed[0] and s[1] == 0
+        if greedy:
+            assert s[0] == max(allowed[0], key=lambda t: float(logits[0, t]))
+            assert s[2] == int(np.argmax(np.asarray(logits[2])))
+        lps, ids = np.asarray(lps), np.asarray(ids)
+        # Top logprobs of row 1: the one allowed token at 0.0, the rest -inf.
+        assert lps[1, 0] == 0.0 and np.isneginf(lps[1, 2:]).all()
+        assert set(ids[0, 1:4].tolist()) == set(allowed[0])

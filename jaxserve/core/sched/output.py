@@ -7,6 +7,10 @@ new requests in full (NewRequestData), requests it already knows as deltas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from jaxserve.sampling_params import SamplingParams
 
@@ -50,3 +54,8 @@ class SchedulerOutput:
     # Requests preempted in this schedule(): the runner removes them from the batch
     # but keeps their token state for when they resume.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Constrained requests that sample this step and their packed next-token masks,
+    # row i for structured_output_request_ids[i]: [n, ceil(V/32)] int32 (bit t of word
+    # t // 32 set = token t allowed); None when no scheduled request is constrained.
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None

@@ -7,7 +7,9 @@ chunked prefill, continuous batching and prefix-cache skips.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
@@ -16,6 +18,11 @@ from jaxserve.core.sched.output import CachedRequestData, NewRequestData, Schedu
 from jaxserve.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from jaxserve.structured_output import StructuredOutputManager
+
+logger = logging.getLogger("jaxserve")
 
 
 @dataclass
@@ -35,6 +42,7 @@ class Scheduler:
         num_gpu_blocks: int,
         *,
         check_invariants: bool = False,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -55,6 +63,10 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.check_invariants = check_invariants
+        self.structured_output_manager = structured_output_manager
+        # Outputs of requests that ended inside schedule() (a grammar that failed to
+        # compile), handed to the engine by take_pending_outputs().
+        self._pending_outputs: list[EngineCoreOutput] = []
 
     # ------------------------------------------------------------------ requests in/out
     def add_request(self, request: Request) -> None:
@@ -142,12 +154,19 @@ class Scheduler:
             token_budget -= num_new_tokens
             req_index += 1
 
-        # 2. Waiting requests, in queue order, unless this step had to preempt.
+        # 2. Waiting requests, in queue order, unless this step had to preempt. Those
+        # whose grammar is still compiling are passed over (and keep their place).
+        skipped_waiting: list[Request] = []
         if not preempted_reqs:
             while self.waiting and token_budget > 0:
                 if len(self.running) == self.max_num_running_reqs:
                     break
                 request = self.waiting.peek_request()
+                if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
+                    self.waiting.pop_request()
+                    if not request.is_finished():  # else its grammar failed: it ended
+                        skipped_waiting.append(request)
+                    continue
                 computed_blocks, num_new_local_computed = self.kv_cache_manager.get_computed_blocks(request)
                 num_computed_tokens = num_new_local_computed
                 num_new_tokens = self._clamp_long_prefill(request.num_tokens - num_computed_tokens)
@@ -175,6 +194,8 @@ class Scheduler:
                 request.num_computed_tokens = num_computed_tokens
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_computed_tokens
+        for request in reversed(skipped_waiting):
+            self.waiting.prepend_request(request)
 
         total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
         assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens
@@ -198,6 +219,7 @@ class Scheduler:
             cached.new_block_ids.append(req_to_new_block_ids[r.request_id])
             cached.num_computed_tokens.append(r.num_computed_tokens)
 
+        structured_ids, bitmask = self._grammar_bitmask(num_scheduled_tokens)
         scheduler_output = SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
             scheduled_cached_reqs=cached,
@@ -205,6 +227,8 @@ class Scheduler:
             total_num_scheduled_tokens=total_num_scheduled_tokens,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted_reqs},
+            structured_output_request_ids=structured_ids,
+            grammar_bitmask=bitmask,
         )
         # A request's computed count advances as soon as it is scheduled: its KV is
         # written by this step, and the next schedule() may run before the output is back.
@@ -214,6 +238,44 @@ class Scheduler:
         if self.check_invariants:
             self.assert_invariants()
         return scheduler_output
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """A WAITING_FOR_FSM request whose grammar is compiled becomes WAITING. One whose
+        compile failed ends here (aborted, its output queued for take_pending_outputs)."""
+        so = request.structured_output_request
+        if not so.is_ready():
+            return False
+        if so.error is not None:
+            logger.error("request %s: its grammar failed to compile: %r", request.request_id, so.error)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free_request(request)
+            self._pending_outputs.append(EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[], finish_reason=request.get_finished_reason(),
+                stop_reason=f"structured output grammar failed to compile: {so.error}"))
+            return False
+        request.status = RequestStatus.WAITING
+        return True
+
+    def _grammar_bitmask(self, num_scheduled_tokens: dict[str, int]) -> tuple[list[str], object]:
+        """The constrained requests that sample this step, and their packed next-token
+        masks ([n, ceil(V/32)] int32; None when there are none)."""
+        manager = self.structured_output_manager
+        if manager is None:
+            return [], None
+        reqs = []
+        for req_id, n in num_scheduled_tokens.items():
+            r = self.requests[req_id]
+            # (num_computed_tokens still excludes this step's tokens here.)
+            if manager.is_constrained(r) and r.num_computed_tokens + n >= r.num_tokens:
+                reqs.append(r)
+        if not reqs:
+            return [], None
+        return [r.request_id for r in reqs], manager.grammar_bitmask(reqs)
+
+    def take_pending_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests that ended inside schedule() (see _grammar_ready)."""
+        out, self._pending_outputs = self._pending_outputs, []
+        return out
 
     def _clamp_long_prefill(self, num_new_tokens: int) -> int:
         """At most ``long_prefill_token_threshold`` new tokens per request and step (0: no limit)."""
@@ -294,6 +356,8 @@ class Scheduler:
             was_preempted = request.status == RequestStatus.PREEMPTED
             if new_token_ids:
                 new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
+                if not stopped and request.structured_output_request is not None:
+                    stopped = self._advance_grammar(request, new_token_ids)
             new_logprobs = None
             if logprobs is not None and new_token_ids and request.sampling_params.logprobs is not None:
                 new_logprobs = logprobs.slice(req_index, req_index + len(new_token_ids))
@@ -319,6 +383,21 @@ class Scheduler:
         if self.check_invariants:
             self.assert_invariants()
         return outputs
+
+    def _advance_grammar(self, request: Request, new_token_ids: list[int]) -> bool:
+        """Feed the sampled tokens to the request's grammar; True when that ends the
+        request (the constrained output is complete, or a token broke the grammar)."""
+        if not self.structured_output_manager.should_advance(request):
+            return False
+        grammar = request.structured_output_request.grammar
+        if not grammar.accept_tokens(new_token_ids):
+            # Only a masked-out token gets here (the sampler never draws one).
+            logger.warning("request %s: token(s) %s rejected by its grammar; stopping it", request.request_id,
+                           new_token_ids)
+        elif not grammar.is_terminated():
+            return False
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
 
     def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
         stopped = False
@@ -371,7 +450,7 @@ class Scheduler:
             need = cdiv(min(r.num_computed_tokens, self.max_model_len), self.block_size)
             assert len(self.kv_cache_manager.req_to_blocks.get(r.request_id, [])) >= need
         for r in self.waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert r.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM, RequestStatus.PREEMPTED)
             assert r.request_id not in self.kv_cache_manager.req_to_blocks
 
 

@@ -1,0 +1,121 @@
+"""xgrammar (MLC): pushdown automaton with precomputed token masks per grammar state.
+
+Needs torch at import (xgrammar imports it for its own mask kernels; we only use
+its CPU matcher, writing into numpy through DLPack), so it is an optional extra:
+``pip install jaxserve[xgrammar]``. Compiled grammars are cached by xgrammar's
+GrammarCompiler (keyed by the grammar text)."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import numpy as np
+
+from jaxserve.sampling_params import StructuredOutputsParams
+from jaxserve.structured_output.backend_types import (
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+    invalid,
+    schema_text,
+)
+
+# Rolled-back tokens a matcher keeps history for (speculative decoding needs k).
+MAX_ROLLBACK_TOKENS = 16
+
+
+def is_available() -> bool:
+    try:
+        import xgrammar  # noqa: F401
+    except Exception:  # noqa: BLE001 — ImportError, or torch missing underneath
+        return False
+    return True
+
+
+def _grammar(params: StructuredOutputsParams):
+    """params -> an xgrammar Grammar (parsing only: no tokenizer). Raises ValueError."""
+    import xgrammar as xgr
+
+    kind = params.kind
+    try:
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(schema_text(params), any_whitespace=not params.disable_any_whitespace,
+                                                strict_mode=params.disable_additional_properties)
+        if kind == "json_object":  # an object (OpenAI's json_object), not any JSON value
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=not params.disable_any_whitespace)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(params.regex)
+        if kind == "choice":
+            # A regex of the escaped alternatives (xgrammar has no choice form).
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in params.choice))
+        return xgr.Grammar.from_ebnf(params.grammar)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise invalid(params, _clean(str(e)) or repr(e)) from None
+
+
+def _clean(message: str) -> str:
+    """xgrammar's C++ messages without the log prefix ('[hh:mm:ss] file.cc:123: Check failed: ...: ')."""
+    text = message.strip().splitlines()[0] if message.strip() else ""
+    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
+    return re.sub(r"^Check failed: \(.*?\) is false: ", "", text)
+
+
+def supports(params: StructuredOutputsParams) -> bool:
+    """Whether xgrammar accepts this constraint (auto falls back to llguidance if not)."""
+    try:
+        _grammar(params)
+    except ValueError:
+        return False
+    return True
+
+
+class XgrammarGrammar(StructuredOutputGrammar):
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        for t in token_ids:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(t):
+                return False
+        return True
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+
+
+class XgrammarBackend(StructuredOutputBackend):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    @property
+    def compiler(self):
+        """Built on first use (the tokenizer's vocabulary is analysed once, ~1 s)."""
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.eos_token_ids or None)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+            return self._compiler
+
+    def validate(self, params: StructuredOutputsParams) -> None:
+        _grammar(params)
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> XgrammarGrammar:
+        import xgrammar as xgr
+
+        compiled = self.compiler.compile_grammar(_grammar(params))
+        return XgrammarGrammar(xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS))
