@@ -20,8 +20,6 @@ from jaxserve.structured_output.backend_types import (
     schema_text,
 )
 
-# Rolled-back tokens a matcher keeps history for (speculative decoding needs k).
-MAX_ROLLBACK_TOKENS = 16
 
 
 def is_available() -> bool:
@@ -39,7 +37,8 @@ def _grammar(params: StructuredOutputsParams):
     kind = params.kind
     try:
         if kind == "json":
-            return xgr.Grammar.from_json_schema(schema_text(params), any_whitespace=not params.disable_any_whitespace,
+            schema = _bounded_strings_as_patterns(json.loads(schema_text(params)))
+            return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=not params.disable_any_whitespace,
                                                 strict_mode=params.disable_additional_properties)
         if kind == "json_object":  # an object (OpenAI's json_object), not any JSON value
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=not params.disable_any_whitespace)
@@ -58,6 +57,24 @@ def _clean(message: str) -> str:
     text = message.strip().splitlines()[0] if message.strip() else ""
     text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)
     return re.sub(r"^Check failed: \(.*?\) is false: ", "", text)
+
+
+def _bounded_strings_as_patterns(schema):
+    """String schemas with minLength / maxLength -> the same bounds as a pattern.
+
+    xgrammar 0.2.9 spells a length-bounded string as [^"\\\r\n]{m,n}, which admits raw
+    control characters: invalid JSON (found by tests/e2e/test_structured_outputs.py).
+    Its pattern strings exclude them. Escapes are not allowed either way."""
+    if isinstance(schema, list):
+        return [_bounded_strings_as_patterns(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _bounded_strings_as_patterns(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & out.keys():
+        lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = '^[^"\\\\\\x00-\\x1f]{%d,%s}$' % (lo, "" if hi is None else int(hi))
+    return out
 
 
 def supports(params: StructuredOutputsParams) -> bool:
@@ -118,4 +135,4 @@ class XgrammarBackend(StructuredOutputBackend):
         import xgrammar as xgr
 
         compiled = self.compiler.compile_grammar(_grammar(params))
-        return XgrammarGrammar(xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS))
+        return XgrammarGrammar(xgr.GrammarMatcher(compiled))
