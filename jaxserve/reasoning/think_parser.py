@@ -7,8 +7,8 @@ opening tag; output without </think> is all reasoning (it was cut off mid-though
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(slots=True)
@@ -65,8 +65,8 @@ class ReasoningParser:
         current = previous_text + delta_text
         r_prev, c_prev = self._split(previous_text)
         r_cur, c_cur = self._split(current)
-        reasoning = r_cur[len(r_prev):] if r_cur.startswith(r_prev) else r_cur
-        content = c_cur[len(c_prev):] if c_cur.startswith(c_prev) else c_cur
+        reasoning = r_cur.removeprefix(r_prev)
+        content = c_cur.removeprefix(c_prev)
         if not reasoning and not content:
             return None
         return ReasoningDelta(reasoning=reasoning or None, content=content or None)

@@ -21,7 +21,6 @@ from jaxserve.structured_output.backend_types import (
 )
 
 
-
 def is_available() -> bool:
     try:
         import xgrammar  # noqa: F401

@@ -8,7 +8,7 @@ from jaxserve.structured_output.backend_types import StructuredOutputGrammar
 
 
 class StructuredOutputRequest:
-    __slots__ = ("params", "_future", "grammar", "reasoning_ended")
+    __slots__ = ("_future", "grammar", "params", "reasoning_ended")
 
     def __init__(self, params: StructuredOutputsParams) -> None:
         self.params = params

@@ -5,13 +5,22 @@ grammar advances by the sampled tokens, after the reasoning when there is a pars
 from concurrent.futures import Future
 
 import numpy as np
-from factories import EOS, assert_scheduler_empty, make_request, make_scheduler, run_step
+from factories import (
+    EOS,
+    assert_scheduler_empty,
+    make_request,
+    make_scheduler,
+    run_step,
+)
 
 from jaxserve.config import StructuredOutputsConfig
 from jaxserve.request import RequestStatus
 from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.structured_output import StructuredOutputManager
-from jaxserve.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
+from jaxserve.structured_output.backend_types import (
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+)
 
 V = 100
 
