@@ -144,3 +144,24 @@ def test_params_need_exactly_one_constraint():
         StructuredOutputsParams(json={"type": "object"}, regex="a")
     with pytest.raises(ValueError, match="choice"):
         StructuredOutputsParams(choice=[])
+
+
+def test_data_parallel_ranks_get_their_own_masks(model_path):
+    """dp=2: each rank's constrained rows get their masks (the scatter honours the rank offsets)."""
+    llm = LLM(str(model_path), max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=8 << 20,
+              progress=False, data_parallel_size=2, enforce_eager=True)
+    constrained = [i % 4 in (1, 2) for i in range(8)]  # the balancer alternates ranks: both get some
+    params = [_json_params(SCHEMAS[i % 3], i) if c else SamplingParams(temperature=0.0, max_tokens=6)
+              for i, c in enumerate(constrained)]
+    masked = [set(), set()]  # per rank: the requests that got a mask
+    for rank, sched in enumerate(llm.llm_engine.engine_core.schedulers):
+        def spy(counts, _orig=sched._grammar_bitmask, _rank=rank):
+            ids, bitmask = _orig(counts)
+            masked[_rank].update(ids)
+            return ids, bitmask
+        sched._grammar_bitmask = spy
+    outs = llm.generate([f"r{i}" for i in range(8)], params, use_tqdm=False)
+    assert masked[0] and masked[1], masked
+    for i, out in enumerate(outs):
+        if constrained[i]:
+            jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[i % 3])
