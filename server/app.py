@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
 import time
 from typing import Any
@@ -30,6 +31,7 @@ from server.protocol import (
 from server.serving_chat import OpenAIServingChat
 from server.serving_completion import OpenAIServingCompletion
 from server.serving_tokenization import OpenAIServingTokenization
+from server.tool_parsers import get_tool_parser
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -77,22 +79,140 @@ async def _with_cancellation(coro, request: Request):
     return None
 
 
+class RequestIdHeader:
+    """ASGI middleware: a request's ``X-Request-Id`` header comes back on its response
+    (whatever the route or status, streams included)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = next((v for k, v in scope.get("headers", ()) if k.lower() == b"x-request-id"), None)
+        if rid is None:
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": headers + [(b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class HeadAsGet:
+    """ASGI middleware: HEAD is answered on every GET route (200 and the GET's headers,
+    no body), as load balancers and health checkers expect."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def send_headers_only(message):
+            if message["type"] == "http.response.body":
+                if message.get("more_body"):
+                    return
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, send_headers_only)
+
+
+def load_chat_template(chat_template: str | None) -> str | None:
+    """--chat-template: a file's path, or the Jinja template itself."""
+    if chat_template is None:
+        return None
+    if os.path.isfile(chat_template):
+        with open(chat_template, encoding="utf-8") as f:
+            return f.read()
+    if any(c in chat_template for c in "{}\n"):
+        return chat_template
+    raise ValueError(f"--chat-template {chat_template!r} is neither a file nor a Jinja template")
+
+
+_DROP = object()
+
+
+def _json_ready(value, *, token_dicts: bool = False):
+    """Tokenizer init kwargs as JSON, as tokenizer_config.json writes them: an AddedToken
+    is its text (``token_dicts``: its dict of content / special / ...); values JSON
+    cannot hold (objects) are dropped."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, dict):
+        items = ((str(k), _json_ready(v, token_dicts=token_dicts)) for k, v in value.items())
+        return {k: v for k, v in items if v is not _DROP}
+    if isinstance(value, (list, tuple)):
+        return [v for v in (_json_ready(x, token_dicts=token_dicts) for x in value) if v is not _DROP]
+    content = getattr(value, "content", None)
+    if isinstance(content, str):  # tokenizers.AddedToken
+        state = value.__getstate__() if token_dicts and hasattr(value, "__getstate__") else None
+        return _json_ready(state) if isinstance(state, dict) else content
+    return _DROP
+
+
+def tokenizer_info(tokenizer, chat_template: str | None) -> dict[str, Any]:
+    """GET /tokenizer_info (vLLM's shape): the tokenizer's init config (its
+    tokenizer_config.json) without file paths, plus ``tokenizer_class`` and the chat
+    template (--chat-template, else the tokenizer's)."""
+    config = dict(getattr(tokenizer, "init_kwargs", None) or {})
+    for key in ("vocab_file", "merges_file", "tokenizer_file"):
+        config.pop(key, None)
+    added = config.pop("added_tokens_decoder", None)
+    config = _json_ready(config)
+    if added is not None:
+        config["added_tokens_decoder"] = _json_ready(added, token_dicts=True)
+    config["tokenizer_class"] = type(tokenizer).__name__
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and template:
+        config["chat_template"] = template
+    return config
+
+
 def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | None = None,
               max_model_len: int | None = None, enable_prompt_tokens_details: bool = False,
               disable_log_requests: bool = True,
-              default_sampling_params: dict[str, Any] | None = None) -> FastAPI:
+              default_sampling_params: dict[str, Any] | None = None,
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None, chat_template: str | None = None,
+              enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
     """An OpenAI-compatible app over ``async_llm``. With ``api_key``, every /v1 route
     needs ``Authorization: Bearer <api_key>`` (HTTP 401 otherwise). Sampling fields a
     request leaves out come from ``default_sampling_params`` (default: the model's
-    generation config, ``ModelConfig.get_diff_sampling_param()``), then OpenAI's defaults."""
+    generation config, ``ModelConfig.get_diff_sampling_param()``), then OpenAI's defaults.
+
+    Tools: ``tool_call_parser`` (server/tool_parsers) reads the model's tool calls;
+    ``enable_auto_tool_choice`` (which needs it) allows tool_choice="auto". The
+    reasoning parser defaults to the engine's (--reasoning-parser). ``chat_template``
+    (a path or the template) replaces the tokenizer's. ``enable_tokenizer_info_endpoint``
+    adds GET /tokenizer_info."""
     max_model_len = max_model_len or async_llm.max_model_len
     if default_sampling_params is None:
         default_sampling_params = async_llm.model_config.get_diff_sampling_param()
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    tokenizer = async_llm.get_tokenizer()
+    tool_parser = get_tool_parser(tool_call_parser)(tokenizer) if tool_call_parser else None
+    if reasoning_parser is None:
+        so_config = getattr(getattr(async_llm, "config", None), "structured_outputs_config", None)
+        reasoning_parser = getattr(so_config, "reasoning_parser", None)
+    reasoner = None
+    if reasoning_parser:
+        from jaxserve.reasoning import get_reasoning_parser
+
+        reasoner = get_reasoning_parser(reasoning_parser)(tokenizer)
+    chat_template = load_chat_template(chat_template)
     app = FastAPI(title="jaxserve", version=jaxserve.__version__)
-    kwargs = dict(max_model_len=max_model_len, enable_prompt_tokens_details=enable_prompt_tokens_details,
-                  default_sampling_params=default_sampling_params)
+    kwargs = {"max_model_len": max_model_len, "enable_prompt_tokens_details": enable_prompt_tokens_details,
+              "default_sampling_params": default_sampling_params, "chat_template": chat_template}
     serving_completion = OpenAIServingCompletion(async_llm, served_model_name, **kwargs)
-    serving_chat = OpenAIServingChat(async_llm, served_model_name, **kwargs)
+    serving_chat = OpenAIServingChat(async_llm, served_model_name, tool_parser=tool_parser,
+                                     enable_auto_tools=enable_auto_tool_choice, reasoning_parser=reasoner, **kwargs)
     serving_tokenization = OpenAIServingTokenization(async_llm, served_model_name, **kwargs)
     stat_logger = PrometheusStatLogger(served_model_name, max_model_len)
     async_llm.stat_loggers.append(stat_logger)
@@ -148,11 +268,12 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
         return JSONResponse(result.model_dump())
 
     async def generate(kind: str, create, request, raw_request: Request):
-        """A generation route's body: log the request, run ``create(request)`` (cancelled
-        if the client disconnects first) and respond with its response or SSE stream."""
+        """A generation route's body: log the request, run ``create(request, raw_request)``
+        (cancelled if the client disconnects first) and respond with its response or SSE
+        stream."""
         if not disable_log_requests:
             logger.info("%s request: %s", kind, request.model_dump_json(exclude_unset=True)[:1000])
-        return respond(await _with_cancellation(create(request), raw_request))
+        return respond(await _with_cancellation(create(request, raw_request), raw_request))
 
     @app.get("/health")
     async def health():
@@ -190,4 +311,12 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
         stat_logger.set_gauges(async_llm.get_stats())
         return Response(generate_latest(stat_logger.registry), media_type=CONTENT_TYPE_LATEST)
 
+    if enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info():
+            return JSONResponse(tokenizer_info(serving_tokenization.tokenizer, chat_template))
+
+    # Outermost last: HEAD becomes GET before anything else sees it.
+    app.add_middleware(RequestIdHeader)
+    app.add_middleware(HeadAsGet)
     return app

@@ -20,6 +20,18 @@ from jaxserve.engine.arg_utils import EngineArgs
 logger = logging.getLogger("jaxserve")
 
 
+def _tool_parsers() -> list[str]:
+    from server.tool_parsers import TOOL_PARSERS
+
+    return sorted(TOOL_PARSERS)
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Flag combinations that cannot start (ValueError, before the engine loads)."""
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+
+
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `serve` subcommand to an argparse subparsers object: the engine's flags
     (EngineArgs, vLLM's names) plus the server's own."""
@@ -34,6 +46,17 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     server.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="Report usage.prompt_tokens_details.cached_tokens.")
     server.add_argument("--disable-log-requests", action="store_true", help="Do not log each request.")
+    server.add_argument("--chat-template", default=None,
+                        help="A Jinja chat template (a file's path, or the template itself) replacing the "
+                             "tokenizer's; a request's chat_template still wins.")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='Allow tool_choice="auto": the model decides whether to call tools, and its output '
+                             "is parsed with --tool-call-parser (required with it).")
+    server.add_argument("--tool-call-parser", default=None, choices=_tool_parsers(),
+                        help="The model's tool-call format, to turn its output into tool_calls: hermes "
+                             "(Qwen2.5 / Qwen3 / Hermes <tool_call> JSON), llama3_json (Llama 3.x JSON).")
+    server.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        help="Serve GET /tokenizer_info (the tokenizer's config and chat template).")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=run_serve)
@@ -47,6 +70,10 @@ def run_serve(args: argparse.Namespace) -> None:
     from jaxserve.engine.async_llm import AsyncLLM
     from server.app import build_app
 
+    try:
+        check_serve_args(args)
+    except ValueError as e:
+        raise SystemExit(f"jaxserve serve: error: {e}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     async_llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
     config = async_llm.config
@@ -55,7 +82,11 @@ def run_serve(args: argparse.Namespace) -> None:
     app = build_app(async_llm, config.model_config.served_model_name, api_key=args.api_key,
                     max_model_len=config.scheduler_config.max_model_len,
                     enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                    disable_log_requests=args.disable_log_requests)
+                    disable_log_requests=args.disable_log_requests,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                    reasoning_parser=config.structured_outputs_config.reasoning_parser,
+                    chat_template=args.chat_template,
+                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                     timeout_keep_alive=5)

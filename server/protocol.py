@@ -84,6 +84,7 @@ class _SamplingFields(OpenAIBaseModel):
     temperature: float | None = None
     top_p: float | None = None
     user: str | None = None
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}} (server/structured.py)
     response_format: dict[str, Any] | None = None
     # vLLM extensions
     top_k: int | None = None
@@ -98,6 +99,15 @@ class _SamplingFields(OpenAIBaseModel):
     prompt_logprobs: int | None = None
     priority: int = 0
     cache_salt: str | None = None
+    # Structured outputs (vLLM): a StructuredOutputsParams dict, or the older guided_* fields.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored
+    request_id: str | None = None  # the response id's suffix (an X-Request-Id header wins)
 
 
 # ----------------------------------------------------------------------------- completions
@@ -162,6 +172,10 @@ class ChatMessageParam(OpenAIBaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # An assistant turn that called tools, and the tool turns that answer it.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -171,8 +185,12 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}; left out:
+    # "auto" when tools are given, else "none" (server/structured.py resolve_tool_choice).
     tool_choice: str | dict[str, Any] | None = "none"
+    parallel_tool_calls: bool | None = True
     # vLLM extensions
+    include_reasoning: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the chat template already holds them
@@ -200,6 +218,8 @@ class ChatMessage(OpenAIBaseModel):
     refusal: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
     function_call: dict[str, Any] | None = None
+    # --reasoning-parser: the thinking part (vLLM's reasoning_content; newer vLLM calls it reasoning).
+    reasoning_content: str | None = None
     reasoning: str | None = None
 
 
@@ -227,6 +247,9 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

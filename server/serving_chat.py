@@ -1,10 +1,21 @@
 """POST /v1/chat/completions: the conversation goes through the tokenizer's chat
-template (add_generation_prompt), then one engine request with n choices."""
+template (add_generation_prompt), then one engine request with n choices.
+
+The output of each choice goes through, in order: the reasoning parser
+(--reasoning-parser: the thinking part becomes ``reasoning_content``), then, on the
+content part only, the tool-call parsing that ``tool_choice`` asks for ("auto": the
+--tool-call-parser; "required": a JSON array of calls; a named function: the whole
+content is its arguments). Streamed or not, the same state machines run, so the
+streamed deltas add up to the non-streamed message.
+"""
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
+from jaxserve.reasoning.think_parser import ReasoningParser, StreamingReasoning
 from server.errors import APIError, bad_request
 from server.protocol import (
     ChatCompletionLogProb,
@@ -18,16 +29,133 @@ from server.protocol import (
     ChatMessage,
     DeltaMessage,
     UsageInfo,
-    random_uuid,
 )
-from server.serving_engine import OpenAIServing, clamp_logprob, collect_outputs, merge_async_iterators, sse_stream
+from server.serving_engine import (
+    OpenAIServing,
+    clamp_logprob,
+    collect_outputs,
+    merge_async_iterators,
+    sse_stream,
+)
+from server.structured import Constraint, chat_constraint, resolve_tool_choice
+from server.tool_parsers import JsonArrayToolStreamer, NamedToolStreamer, ToolParser
+
+
+@dataclass(frozen=True)
+class ChatOutputMode:
+    """How a request's output becomes a message: the tool choice ("none" | "auto" |
+    "required" | "named"), the named function, whether more than one call is kept, and
+    whether the reasoning is returned."""
+
+    tool_choice: str = "none"
+    function_name: str | None = None
+    parallel_tool_calls: bool = True
+    include_reasoning: bool = True
+    # The prompt ended inside the reasoning (a template that opens <think> itself).
+    reasoning_opened: bool = False
+
+
+class ChatOutputShaper:
+    """Reasoning split + tool-call parsing of one request's choices (stateless; the
+    streaming state lives in ``ChoiceStream``)."""
+
+    def __init__(self, mode: ChatOutputMode, *, tool_parser: ToolParser | None = None,
+                 reasoning_parser: ReasoningParser | None = None) -> None:
+        self.mode = mode
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
+
+    def _tool_streamer(self):
+        choice = self.mode.tool_choice
+        if choice == "auto":
+            return self.tool_parser.streamer()
+        if choice == "required":
+            return JsonArrayToolStreamer()
+        if choice == "named":
+            return NamedToolStreamer(self.mode.function_name)
+        return None
+
+    def finish_reason(self, finish_reason: str | None, tools_called: bool) -> str | None:
+        """"tool_calls" when an output that ended normally ("stop") made calls (auto /
+        required; a named function keeps OpenAI's "stop"). A cut-off output stays "length"."""
+        if tools_called and self.mode.tool_choice in ("auto", "required") and finish_reason == "stop":
+            return "tool_calls"
+        return finish_reason
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[ChatMessage, str | None]:
+        """A whole choice's text -> (message, finish_reason)."""
+        reasoning, content = None, text
+        if self.reasoning_parser is not None:
+            reasoning, content = self.reasoning_parser.extract_reasoning(text, opened=self.mode.reasoning_opened)
+            if not self.mode.include_reasoning:
+                reasoning = None
+        tool_calls: list[dict[str, Any]] = []
+        streamer = self._tool_streamer()
+        if streamer is not None:
+            extracted = streamer.extract(content or "")
+            if extracted.tools_called:
+                tool_calls, content = extracted.tool_calls, extracted.content
+                if not self.mode.parallel_tool_calls:
+                    tool_calls = tool_calls[:1]
+        message = ChatMessage(role="assistant", content=content, tool_calls=tool_calls,
+                              reasoning_content=reasoning, reasoning=reasoning)
+        return message, self.finish_reason(finish_reason, bool(tool_calls))
+
+    def stream(self) -> ChoiceStream:
+        return ChoiceStream(self)
+
+
+class ChoiceStream:
+    """One choice's streaming state: text deltas -> DeltaMessages."""
+
+    def __init__(self, shaper: ChatOutputShaper) -> None:
+        self.shaper = shaper
+        self.reasoning = (StreamingReasoning(shaper.reasoning_parser, opened=shaper.mode.reasoning_opened)
+                          if shaper.reasoning_parser is not None else None)
+        self.tools = shaper._tool_streamer()
+        self.tools_called = False
+
+    def feed(self, text: str, *, final: bool) -> DeltaMessage | None:
+        """The delta for ``text`` (None when nothing can be sent yet). Without a reasoning
+        parser and tool parsing, the text as it is (even empty)."""
+        if self.reasoning is None and self.tools is None:
+            return DeltaMessage(content=text)
+        reasoning, content = None, text
+        if self.reasoning is not None:
+            split = self.reasoning.feed(text, final=final)
+            reasoning, content = (split.reasoning, split.content) if split is not None else (None, None)
+            if not self.shaper.mode.include_reasoning:
+                reasoning = None
+        tool_calls = None
+        if self.tools is not None:
+            out = self.tools.feed(content or "", final=final)
+            content = out.content or None
+            tool_calls = [d for d in out.tool_calls if self.shaper.mode.parallel_tool_calls or d["index"] == 0]
+            self.tools_called = self.tools_called or bool(tool_calls)
+        fields: dict[str, Any] = {}
+        if reasoning:
+            fields.update(reasoning_content=reasoning, reasoning=reasoning)
+        if content:
+            fields["content"] = content
+        if tool_calls:
+            fields["tool_calls"] = tool_calls
+        return DeltaMessage(**fields) if fields else None
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        return self.shaper.finish_reason(finish_reason, self.tools_called)
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args, tool_parser: ToolParser | None = None, enable_auto_tools: bool = False,
+                 reasoning_parser: ReasoningParser | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tool_parser = tool_parser
+        self.enable_auto_tools = enable_auto_tools and tool_parser is not None
+        self.reasoning_parser = reasoning_parser
+
     def _prepare(self, request: ChatCompletionRequest):
-        if request.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice other than 'none' or 'auto' is not supported (no tool parser).",
-                              "tool_choice")
+        tool_choice, function_name = resolve_tool_choice(request, auto_enabled=self.enable_auto_tools)
+        constraint: Constraint | None = chat_constraint(request, tool_choice, function_name)
         if request.top_logprobs is not None and request.top_logprobs > 0 and not request.logprobs:
             raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
         text = self.render_chat(request)
@@ -43,33 +171,46 @@ class OpenAIServingChat(OpenAIServing):
         else:
             max_tokens = given
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        skip_special = None
+        if tool_choice == "auto":
+            skip_special = self.tool_parser.skip_special_tokens(request.skip_special_tokens)
         params = self.sampling_params(request, max_tokens=max_tokens, logprobs=logprobs,
-                                      prompt_logprobs=request.prompt_logprobs)
+                                      prompt_logprobs=request.prompt_logprobs, constraint=constraint,
+                                      skip_special_tokens=skip_special)
         self.check_length(len(ids), max_tokens, param=param, prompt_param="messages")
         try:
-            self.validate_inputs(ids, params, ChatCompletionRequest.model_fields)
+            self.validate_inputs(ids, params, ChatCompletionRequest.model_fields, constraint)
         except APIError as e:
             if "logprobs" in e.message and e.param == "logprobs":
                 e.param = "top_logprobs"
             raise
-        return text, ids, params
+        mode = ChatOutputMode(tool_choice=tool_choice, function_name=function_name,
+                              parallel_tool_calls=request.parallel_tool_calls is not False,
+                              include_reasoning=request.include_reasoning,
+                              reasoning_opened=(self.reasoning_parser is not None
+                                                and self.reasoning_parser.prompt_opens_reasoning(ids)))
+        return text, ids, params, mode
 
-    async def create_chat_completion(self, request: ChatCompletionRequest):
+    def output_shaper(self, mode: ChatOutputMode) -> ChatOutputShaper:
+        return ChatOutputShaper(mode, tool_parser=self.tool_parser, reasoning_parser=self.reasoning_parser)
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request=None):
         """A ChatCompletionResponse, or (stream=True) an async iterator of SSE strings."""
         self.check_model(request.model)
         self.check_engine()
         self.check_stream_options(request)
         self.check_unsupported(request)
-        _, ids, params = self._prepare(request)
-        request_id = f"chatcmpl-{random_uuid()}"
+        _, ids, params, mode = self._prepare(request)
+        shaper = self.output_shaper(mode)
+        request_id, engine_id = self.request_ids("chatcmpl", request, raw_request)
         created = int(time.time())
-        gen = self.engine_client.generate(ids, params, request_id, priority=request.priority,
+        gen = self.engine_client.generate(ids, params, engine_id, priority=request.priority,
                                           cache_salt=request.cache_salt)
         merged = merge_async_iterators(gen)
         if request.stream:
-            chunks = self._stream(request, request_id, created, ids, merged)
+            chunks = self._stream(request, request_id, created, ids, merged, shaper)
             return sse_stream("chat", request_id, chunks, merged)
-        return await self._full(request, request_id, created, ids, merged)
+        return await self._full(request, request_id, created, ids, merged, shaper)
 
     # ------------------------------------------------------------------ logprobs
     def _logprobs(self, token_ids: list[int], logprobs: list, k: int) -> ChatCompletionLogProbs:
@@ -91,7 +232,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionLogProbs(content=content)
 
     # ------------------------------------------------------------------ responses
-    async def _full(self, request, request_id, created, prompt_ids, merged) -> ChatCompletionResponse:
+    async def _full(self, request, request_id, created, prompt_ids, merged, shaper) -> ChatCompletionResponse:
         n = request.n
         texts = [[] for _ in range(n)]
         token_ids = [[] for _ in range(n)]
@@ -114,24 +255,24 @@ class OpenAIServingChat(OpenAIServing):
 
         await collect_outputs(merged, on_output)
         k = request.top_logprobs or 0
-        choices = [
-            ChatCompletionResponseChoice(
-                index=j, message=ChatMessage(role="assistant", content="".join(texts[j])),
-                logprobs=self._logprobs(token_ids[j], lps[j], k) if request.logprobs else None,
-                finish_reason=finish[j][0], stop_reason=finish[j][1])
-            for j in range(n)
-        ]
+        choices = []
+        for j in range(n):
+            message, finish_reason = shaper.message("".join(texts[j]), finish[j][0])
+            choices.append(ChatCompletionResponseChoice(
+                index=j, message=message, logprobs=self._logprobs(token_ids[j], lps[j], k) if request.logprobs else None,
+                finish_reason=finish_reason, stop_reason=finish[j][1]))
         generated = sum(len(t) for t in token_ids)
         usage = UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=generated,
                           total_tokens=len(prompt_ids) + generated, prompt_tokens_details=self.usage_details(cached))
         return ChatCompletionResponse(id=request_id, created=created, model=self.served_model_name, choices=choices,
                                       usage=usage, prompt_logprobs=self.prompt_logprobs_json(prompt_logprobs))
 
-    async def _stream(self, request, request_id, created, prompt_ids, merged) -> AsyncIterator[str]:
+    async def _stream(self, request, request_id, created, prompt_ids, merged, shaper) -> AsyncIterator[str]:
         """The response chunks as SSE events (sse_stream adds the error event and [DONE])."""
         n = request.n
         num_tokens = [0] * n
         role_sent = [False] * n
+        states = [shaper.stream() for _ in range(n)]
         cached = 0
         include_usage, continuous = self.stream_usage_options(request)
         num_prompt = len(prompt_ids)
@@ -163,9 +304,15 @@ class OpenAIServingChat(OpenAIServing):
                 lp = None
                 if request.logprobs and c.logprobs is not None:
                     lp = self._logprobs(c.token_ids, c.logprobs, k)
-                choice = ChatCompletionResponseStreamChoice(index=j, delta=DeltaMessage(content=c.text),
-                                                            logprobs=lp, finish_reason=c.finish_reason)
-                if c.finish_reason is not None:
+                final = c.finish_reason is not None
+                delta = states[j].feed(c.text, final=final)
+                if delta is None:
+                    if not final and lp is None:
+                        continue  # held back (a tag or call still forming): nothing to send yet
+                    delta = DeltaMessage()
+                choice = ChatCompletionResponseStreamChoice(index=j, delta=delta, logprobs=lp,
+                                                            finish_reason=states[j].finish_reason(c.finish_reason))
+                if final:
                     choice.stop_reason = c.stop_reason
                 yield chunk(choice, running_usage(j))
         if include_usage:

@@ -3,9 +3,9 @@ index prompt_idx * n + choice_idx (vLLM's numbering)."""
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import AsyncIterator
 
 from server.errors import bad_request
 from server.protocol import (
@@ -16,9 +16,15 @@ from server.protocol import (
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
     UsageInfo,
-    random_uuid,
 )
-from server.serving_engine import OpenAIServing, clamp_logprob, collect_outputs, merge_async_iterators, sse_stream
+from server.serving_engine import (
+    OpenAIServing,
+    clamp_logprob,
+    collect_outputs,
+    merge_async_iterators,
+    sse_stream,
+)
+from server.structured import structured_outputs_from_request
 
 _EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
 
@@ -52,6 +58,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _prepare(self, request: CompletionRequest) -> list[_PromptInput]:
         fields = CompletionRequest.model_fields
+        constraint = structured_outputs_from_request(request)
         inputs = []
         for p in self._prompts(request.prompt):
             text, ids = self.tokenize_prompt(p, add_special_tokens=request.add_special_tokens)
@@ -66,9 +73,9 @@ class OpenAIServingCompletion(OpenAIServing):
             engine_max_tokens = max(max_tokens, 1) if request.max_tokens is None or self._echo_only(request) \
                 else max_tokens
             params = self.sampling_params(request, max_tokens=engine_max_tokens, logprobs=request.logprobs,
-                                          prompt_logprobs=prompt_logprobs)
+                                          prompt_logprobs=prompt_logprobs, constraint=constraint)
             self.check_length(len(ids), max_tokens, param="max_tokens", prompt_param="prompt")
-            self.validate_inputs(ids, params, fields)
+            self.validate_inputs(ids, params, fields, constraint)
             if text is None and request.echo:
                 text = self.tokenizer.decode(ids)
             inputs.append(_PromptInput(text, ids, params))
@@ -78,7 +85,7 @@ class OpenAIServingCompletion(OpenAIServing):
     def _echo_only(request: CompletionRequest) -> bool:
         return bool(request.echo) and request.max_tokens == 0
 
-    async def create_completion(self, request: CompletionRequest):
+    async def create_completion(self, request: CompletionRequest, raw_request=None):
         """A CompletionResponse, or (stream=True) an async iterator of SSE strings."""
         self.check_model(request.model)
         self.check_engine()
@@ -89,10 +96,10 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.best_of is not None and request.best_of != request.n:
             raise bad_request("best_of is not supported; use n.", "best_of")
         inputs = self._prepare(request)
-        request_id = f"cmpl-{random_uuid()}"
+        request_id, engine_id = self.request_ids("cmpl", request, raw_request)
         created = int(time.time())
         generators = [
-            self.engine_client.generate(inp.token_ids, inp.params, f"{request_id}-{i}", priority=request.priority,
+            self.engine_client.generate(inp.token_ids, inp.params, f"{engine_id}-{i}", priority=request.priority,
                                         cache_salt=request.cache_salt)
             for i, inp in enumerate(inputs)
         ]

@@ -6,13 +6,22 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
 
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from server.errors import APIError, bad_request, engine_dead, engine_error, error_event, guess_param
-from server.protocol import UsageInfo
+from server.errors import (
+    APIError,
+    bad_request,
+    engine_dead,
+    engine_error,
+    error_event,
+    guess_param,
+)
+from server.protocol import UsageInfo, random_uuid
+from server.structured import Constraint
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -27,7 +36,8 @@ def clamp_logprob(x: float) -> float:
 class OpenAIServing:
     def __init__(self, engine_client: AsyncLLM, served_model_name: str, *, max_model_len: int,
                  enable_prompt_tokens_details: bool = False,
-                 default_sampling_params: dict[str, Any] | None = None) -> None:
+                 default_sampling_params: dict[str, Any] | None = None,
+                 chat_template: str | None = None) -> None:
         self.engine_client = engine_client
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
@@ -35,6 +45,8 @@ class OpenAIServing:
         # The model's generation-config defaults (ModelConfig.get_diff_sampling_param):
         # they fill the sampling fields a request leaves out, before OpenAI's defaults.
         self.default_sampling_params = dict(default_sampling_params or {})
+        # --chat-template: used when a request names none (else the tokenizer's own).
+        self.chat_template = chat_template
 
     @property
     def tokenizer(self):
@@ -65,13 +77,19 @@ class OpenAIServing:
     def check_unsupported(request) -> None:
         if request.logit_bias:
             raise bad_request("logit_bias is not supported by jaxserve.", "logit_bias")
-        rf = request.response_format
-        if rf is not None:
-            kind = rf.get("type")
-            if kind not in (None, "text"):
-                raise bad_request(
-                    f"response_format type {kind!r} is not supported: jaxserve has no structured output.",
-                    "response_format")
+
+    @staticmethod
+    def request_ids(prefix: str, request, raw_request) -> tuple[str, str]:
+        """(response id, engine request id). The response id is ``prefix-`` plus the
+        client's X-Request-Id header, else the body's request_id, else a random id (as in
+        vLLM). A client-chosen id may repeat, so the engine's id adds a random suffix."""
+        given = raw_request.headers.get("x-request-id") if raw_request is not None else None
+        given = given or getattr(request, "request_id", None)
+        if not given:
+            rid = f"{prefix}-{random_uuid()}"
+            return rid, rid
+        rid = f"{prefix}-{given}"
+        return rid, f"{rid}-{random_uuid()[:8]}"
 
     def check_length(self, prompt_len: int, max_tokens: int, *, param: str = "max_tokens",
                      prompt_param: str = "prompt") -> None:
@@ -92,12 +110,18 @@ class OpenAIServing:
                 f"({max_tokens} > {m} - {prompt_len}).", param)
 
     # ------------------------------------------------------------------ inputs
-    def validate_inputs(self, prompt_token_ids: list[int], params: SamplingParams, fields) -> None:
-        """The engine's own input checks (vocabulary, logprobs limits), as HTTP 400."""
+    def validate_inputs(self, prompt_token_ids: list[int], params: SamplingParams, fields,
+                        constraint: Constraint | None = None) -> None:
+        """The engine's own input checks (vocabulary, logprobs limits, the grammar of a
+        constraint), as HTTP 400. A grammar error ("structured_outputs.<kind>: ...") names
+        the field the constraint came from (response_format, tools, ...)."""
         try:
             self.engine_client.process_inputs(prompt_token_ids, params)
         except (ValueError, TypeError) as e:
-            raise bad_request(str(e), guess_param(str(e), fields)) from e
+            msg = str(e)
+            if constraint is not None and msg.startswith("structured_outputs"):
+                raise bad_request(msg, constraint.param) from e
+            raise bad_request(msg, guess_param(msg, fields)) from e
 
     def tokenize_prompt(self, prompt, *, add_special_tokens: bool) -> tuple[str | None, list[int]]:
         try:
@@ -118,9 +142,7 @@ class OpenAIServing:
                 texts = []
                 for part in content:
                     kind = part.get("type")
-                    if kind in ("text", "input_text") and isinstance(part.get("text"), str):
-                        texts.append(part["text"])
-                    elif isinstance(part, dict) and kind is None and isinstance(part.get("text"), str):
+                    if kind in ("text", "input_text", None) and isinstance(part.get("text"), str):
                         texts.append(part["text"])
                     else:
                         raise bad_request(f"messages[{i}]: content part of type {kind!r} is not supported "
@@ -128,8 +150,30 @@ class OpenAIServing:
                 d["content"] = "\n".join(texts)
             elif content is None:
                 d["content"] = ""
+            if m.tool_calls:
+                d["tool_calls"] = [OpenAIServing._template_tool_call(i, c) for c in m.tool_calls]
             out.append(d)
         return out
+
+    @staticmethod
+    def _template_tool_call(i: int, call: dict[str, Any]) -> dict[str, Any]:
+        """A history tool call for the chat template: arguments as a dict, not a JSON
+        string (what tool-use templates expect; vLLM converts them the same way)."""
+        call = dict(call)
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"messages[{i}].tool_calls: each call needs function.name.", "messages")
+        fn = dict(fn)
+        args = fn.get("arguments")
+        if not args:
+            fn["arguments"] = {}
+        elif isinstance(args, str):
+            try:
+                fn["arguments"] = json.loads(args)
+            except ValueError as e:
+                raise bad_request(f"messages[{i}].tool_calls: arguments are not valid JSON: {e}", "messages") from e
+        call["function"] = fn
+        return call
 
     def render_chat(self, request) -> str:
         """Apply the chat template (HTTP 400 when the template rejects the conversation)."""
@@ -147,10 +191,10 @@ class OpenAIServing:
                 self.message_dicts(request.messages), tokenize=False,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                chat_template=request.chat_template, **kwargs)
+                chat_template=request.chat_template or self.chat_template, **kwargs)
         except APIError:
             raise
-        except Exception as e:  # noqa: BLE001 — a jinja error is the client's conversation
+        except Exception as e:  # a jinja error is the client's conversation
             raise bad_request(f"The chat template could not be applied: {e}", "messages") from e
         if not isinstance(text, str):  # some tokenizers return a list when batched
             text = text[0]
@@ -164,8 +208,9 @@ class OpenAIServing:
         cap = self.default_sampling_params.get("max_tokens")
         return rest if cap is None else min(rest, cap)
 
-    def sampling_params(self, request, *, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, request, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+                        constraint: Constraint | None = None,
+                        skip_special_tokens: bool | None = None) -> SamplingParams:
         def field(name: str, openai_default):
             # The request's value, else the model's generation-config default, else OpenAI's.
             value = getattr(request, name)
@@ -190,8 +235,10 @@ class OpenAIServing:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=request.include_stop_str_in_output,
-                skip_special_tokens=request.skip_special_tokens,
+                skip_special_tokens=request.skip_special_tokens if skip_special_tokens is None
+                else skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
+                structured_outputs=constraint.params if constraint is not None else None,
             )
         except (ValueError, TypeError) as e:
             raise bad_request(str(e), guess_param(str(e), type(request).model_fields)) from e
@@ -239,7 +286,7 @@ async def collect_outputs(merged: AsyncGenerator[tuple[int, RequestOutput], None
             on_output(i, out)
     except APIError:
         raise
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise engine_error(e) from e
     finally:
         await merged.aclose()

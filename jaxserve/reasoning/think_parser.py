@@ -1,7 +1,10 @@
 """<think>...</think> reasoning, as Qwen3 and DeepSeek-R1 write it.
 
 Qwen3: the model opens <think> itself; output that does not start with <think> is
-all answer, tags included (thinking switched off, or a model that skipped it). DeepSeek-R1: the chat template
+all answer, tags included (thinking switched off, or a model that skipped it) --
+unless the prompt already opened it (Qwen3-2507 Thinking's template ends the prompt
+with <think>): ``prompt_opens_reasoning`` tells, and the output then starts inside
+the reasoning. DeepSeek-R1: the chat template
 already opened <think>, so output before </think> is reasoning even without an
 opening tag; output without </think> is all reasoning (it was cut off mid-thought).
 """
@@ -44,6 +47,15 @@ class ReasoningParser:
                 return False
         return False
 
+    def prompt_opens_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
+        """The prompt's last think tag is an open <think>: the output starts mid-reasoning."""
+        for t in reversed(prompt_token_ids):
+            if t == self.start_token_id:
+                return True
+            if t == self.end_token_id:
+                return False
+        return False
+
     def extract_content_ids(self, token_ids: Sequence[int]) -> list[int]:
         """The output ids after the end tag ([] while reasoning)."""
         ids = list(token_ids)
@@ -52,27 +64,29 @@ class ReasoningParser:
         return ids[len(ids) - ids[::-1].index(self.end_token_id):]
 
     # ------------------------------------------------------------------ text (server)
-    def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
-        """A whole output -> (reasoning, content); None for an empty part."""
-        reasoning, content = self._split(text)
+    def extract_reasoning(self, text: str, *, opened: bool = False) -> tuple[str | None, str | None]:
+        """A whole output -> (reasoning, content); None for an empty part. ``opened``:
+        the prompt ended inside the reasoning (prompt_opens_reasoning)."""
+        reasoning, content = self._split(text, opened)
         return reasoning or None, content or None
 
-    def extract_reasoning_streaming(self, previous_text: str, delta_text: str) -> ReasoningDelta | None:
+    def extract_reasoning_streaming(self, previous_text: str, delta_text: str, *,
+                                    opened: bool = False) -> ReasoningDelta | None:
         """The part of ``delta_text`` that is reasoning and the part that is answer,
         given everything streamed before it. Tag text is never returned; a tag split
         over two deltas is held back until it is whole (the caller passes the held-back
         text again with the next delta: see ``StreamingReasoning``)."""
         current = previous_text + delta_text
-        r_prev, c_prev = self._split(previous_text)
-        r_cur, c_cur = self._split(current)
+        r_prev, c_prev = self._split(previous_text, opened)
+        r_cur, c_cur = self._split(current, opened)
         reasoning = r_cur.removeprefix(r_prev)
         content = c_cur.removeprefix(c_prev)
         if not reasoning and not content:
             return None
         return ReasoningDelta(reasoning=reasoning or None, content=content or None)
 
-    def _split(self, text: str) -> tuple[str, str]:
-        opened = text.lstrip().startswith(self.start_token) or self.start_token.startswith(text.lstrip())
+    def _split(self, text: str, opened: bool = False) -> tuple[str, str]:
+        opened = opened or text.lstrip().startswith(self.start_token) or self.start_token.startswith(text.lstrip())
         if not (opened or self.unterminated_is_reasoning):
             return "", text
         before, sep, after = text.partition(self.end_token)
@@ -94,8 +108,9 @@ class StreamingReasoning:
     """Per-choice streaming state: feed each text delta, get the reasoning and content
     deltas. Text that may be the start of a tag waits for the next delta."""
 
-    def __init__(self, parser: ReasoningParser) -> None:
+    def __init__(self, parser: ReasoningParser, *, opened: bool = False) -> None:
         self.parser = parser
+        self.opened = opened  # the prompt ended inside the reasoning
         self.text = ""  # everything released to the parser so far
         self.pending = ""  # held back: may be a partial tag
 
@@ -108,7 +123,7 @@ class StreamingReasoning:
                 text, self.pending = text[:-hold], text[-hold:]
         if not text:
             return None
-        out = self.parser.extract_reasoning_streaming(self.text, text)
+        out = self.parser.extract_reasoning_streaming(self.text, text, opened=self.opened)
         self.text += text
         return out
 

@@ -11,7 +11,7 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from tests.server.harness import TINY_ENGINE_ARGS  # noqa: E402
+from tests.server.harness import TINY_ENGINE_ARGS
 
 
 @pytest.fixture(scope="session")

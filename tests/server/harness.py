@@ -6,8 +6,8 @@ import threading
 import time
 
 # The tiny engine: small budgets keep the warm-up to a handful of programs.
-TINY_ENGINE_ARGS = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=128, kv_cache_memory=4 << 20,
-                        block_size=16, enable_prefix_caching=True)
+TINY_ENGINE_ARGS = {"max_model_len": 256, "max_num_seqs": 16, "max_num_batched_tokens": 128,
+                    "kv_cache_memory": 4 << 20, "block_size": 16, "enable_prefix_caching": True}
 
 
 class RunningServer:

@@ -13,7 +13,7 @@ from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.server.harness import wait_until
 
-GREEDY_NO_EOS = dict(temperature=0.0, ignore_eos=True)
+GREEDY_NO_EOS = {"temperature": 0.0, "ignore_eos": True}
 
 
 def idle(llm: AsyncLLM, timeout: float = 10.0) -> bool:
@@ -82,7 +82,7 @@ def test_abort_ends_stream_at_once(tiny_async_llm):
     async def main():
         return await asyncio.gather(consume("ab-0", 3), consume("ab-1", None), consume("ab-2", None))
 
-    (n0, last0), (n1, last1), (n2, last2) = asyncio.run(main())
+    (n0, last0), (n1, last1), (n2, _) = asyncio.run(main())
     assert last0.finished and last0.outputs[0].finish_reason == "abort"
     assert 3 <= n0 < 60
     assert n1 == n2 == 60 and last1.outputs[0].finish_reason == "length"
@@ -213,7 +213,8 @@ def test_idle_loop_sleeps(tiny_async_llm):
         pytest.skip("needs /proc")
 
     def cpu_ticks() -> int:
-        fields = open(stat).read().rsplit(")", 1)[1].split()
+        with open(stat) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
         return int(fields[11]) + int(fields[12])  # utime + stime
 
     t0 = cpu_ticks()

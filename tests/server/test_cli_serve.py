@@ -36,6 +36,22 @@ def test_serve_arguments():
         parse(["serve", "--attention-backend", "magic"])
 
 
+def test_serve_tool_and_reasoning_flags():
+    args = parse(["serve"])
+    assert not args.enable_auto_tool_choice and args.tool_call_parser is None and args.chat_template is None
+    assert not args.enable_tokenizer_info_endpoint and args.reasoning_parser is None
+    args = parse(["serve", "m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser",
+                  "qwen3", "--chat-template", "t.jinja", "--enable-tokenizer-info-endpoint"])
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes" and args.reasoning_parser == "qwen3"
+    assert args.chat_template == "t.jinja" and args.enable_tokenizer_info_endpoint
+    assert parse(["serve", "--tool-call-parser", "llama3_json"]).tool_call_parser == "llama3_json"
+    with pytest.raises(SystemExit):
+        parse(["serve", "--tool-call-parser", "magic"])
+    # --enable-auto-tool-choice without a parser stops before the engine is built.
+    with pytest.raises(SystemExit, match="--tool-call-parser"):
+        run_serve(parse(["serve", "/no/such/model", "--enable-auto-tool-choice"]))
+
+
 def test_run_serve_wiring(tiny_model_dir, monkeypatch):
     """run_serve builds the engine from the flags and hands uvicorn a working app."""
     import uvicorn
@@ -50,12 +66,18 @@ def test_run_serve_wiring(tiny_model_dir, monkeypatch):
             seen["unauthorized"] = c.get("/v1/models").status_code
             seen["completion"] = c.post("/v1/completions", headers={"Authorization": "Bearer k"},
                                         json={"prompt": "w5 w6", "max_tokens": 2, "temperature": 0}).json()
+            seen["tokenizer_info"] = c.get("/tokenizer_info").status_code
+            seen["tools"] = c.post("/v1/chat/completions", headers={"Authorization": "Bearer k"}, json={
+                "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2,
+                "tools": [{"type": "function", "function": {"name": "f"}}]}).status_code
 
     monkeypatch.setattr(uvicorn, "run", fake_run)
     run_serve(parse(["serve", str(tiny_model_dir), "--port", "9123", "--max-model-len", "128", "--max-num-seqs", "4",
                      "--max-num-batched-tokens", "32", "--kv-cache-memory", str(2 << 20), "--served-model-name",
-                     "tiny-cli", "--api-key", "k", "--enforce-eager", "--max-logprobs", "3"]))
+                     "tiny-cli", "--api-key", "k", "--enforce-eager", "--max-logprobs", "3",
+                     "--enable-tokenizer-info-endpoint", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]))
     assert seen["port"] == 9123 and seen["unauthorized"] == 401
     card = seen["models"]["data"][0]
     assert card["id"] == "tiny-cli" and card["max_model_len"] == 128
     assert seen["completion"]["usage"]["completion_tokens"] == 2
+    assert seen["tokenizer_info"] == 200 and seen["tools"] == 200  # tool_choice "auto" allowed by the flags

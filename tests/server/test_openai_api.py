@@ -17,7 +17,7 @@ from tests.server.harness import RunningServer, wait_until
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
 PROMPT = "w5 w6 w7 w8"  # word-level tokenizer: 4 tokens, no BOS
-GREEDY = dict(temperature=0.0)
+GREEDY = {"temperature": 0.0}
 NO_EOS = {"ignore_eos": True}
 
 
@@ -199,7 +199,7 @@ def test_stream_options_without_stream_is_400(http):
 
 # ----------------------------------------------------------------------------- sampling
 def test_n_and_seed(client):
-    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, extra_body=NO_EOS)
+    kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "extra_body": NO_EOS}
     res = client.completions.create(n=3, seed=7, **kw)
     assert [c.index for c in res.choices] == [0, 1, 2]
     assert all(c.finish_reason == "length" for c in res.choices)
@@ -553,15 +553,14 @@ def test_64_concurrent_requests(server):
 
 def test_stream_disconnect_aborts(server, http):
     before = metric(http.get("/metrics").text, "jaxserve:request_success_total", finished_reason="abort")
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        with c.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 240,
-                                                       "temperature": 0, "stream": True, **NO_EOS}) as r:
-            got = 0
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    got += 1
-                    if got == 3:
-                        break
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 240, "temperature": 0, "stream": True, **NO_EOS}
+    with httpx.Client(base_url=server.url, timeout=30) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                got += 1
+                if got == 3:
+                    break
     # The connection is closed: the engine drops the request well before its 240 tokens.
     assert_engine_idle(server, timeout=5)
     assert wait_until(lambda: metric(http.get("/metrics").text, "jaxserve:request_success_total",
@@ -574,11 +573,10 @@ def test_batch_stream_disconnect_aborts_every_prompt(server, http):
     before = metric(http.get("/metrics").text, "jaxserve:request_success_total", finished_reason="abort")
     body = {"model": MODEL, "prompt": [PROMPT, "w9 w10", "w11"], "max_tokens": 240, "temperature": 0,
             "stream": True, **NO_EOS}
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        with c.stream("POST", "/v1/completions", json=body) as r:
-            for i, _ in enumerate(r.iter_lines()):
-                if i == 6:
-                    break
+    with httpx.Client(base_url=server.url, timeout=30) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 6:
+                break
     assert_engine_idle(server, timeout=5)
     assert wait_until(lambda: metric(http.get("/metrics").text, "jaxserve:request_success_total",
                                      finished_reason="abort") == before + 3, 5)
@@ -621,7 +619,7 @@ def test_metrics_move(http):
     m1 = scrape()
     assert metric(m1, "jaxserve:prompt_tokens_total") >= metric(m0, "jaxserve:prompt_tokens_total") + 80
     assert metric(m1, "jaxserve:generation_tokens_total") >= metric(m0, "jaxserve:generation_tokens_total") + 10
-    length = dict(finished_reason="length")
+    length = {"finished_reason": "length"}
     assert metric(m1, "jaxserve:request_success_total", **length) >= \
         metric(m0, "jaxserve:request_success_total", **length) + 2
     for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "time_per_output_token_seconds",

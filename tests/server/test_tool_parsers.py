@@ -1,0 +1,211 @@
+"""Tool-call parsers (server/tool_parsers): whole outputs, and the same outputs streamed
+in deltas of 1, 3 and 7 characters, whose deltas must add up to the whole result."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server.tool_parsers import (
+    TOOL_PARSERS,
+    JsonArrayToolStreamer,
+    NamedToolStreamer,
+    get_tool_parser,
+)
+from server.tool_parsers.json_stream import CallScanner, JsonError
+
+WEATHER = {"city": "Paris", "unit": "celsius"}
+NESTED = {"q": "a \"quoted\" \\ back\nslash \u00e9\u4e2d \U0001F600", "n": [1, -2.5, 1e3, True, None, {}],
+          "deep": {"x": [], "y": {"z": "é"}}}
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False)
+
+
+def stream(streamer, text: str, size: int):
+    """Feed ``text`` in deltas of ``size`` characters; join what comes out."""
+    content, calls = "", {}
+    pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
+    outs = [streamer.feed(p, final=False) for p in pieces] + [streamer.feed("", final=True)]
+    for out in outs:
+        content += out.content
+        for d in out.tool_calls:
+            i = d["index"]
+            if i not in calls:
+                assert set(d) == {"index", "id", "type", "function"}, d  # the first delta names the call
+                assert d["type"] == "function" and d["id"].startswith("chatcmpl-tool-")
+                calls[i] = {"id": d["id"], "name": d["function"]["name"], "arguments": ""}
+            else:
+                assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}, d
+            calls[i]["arguments"] += d["function"]["arguments"]
+    assert sorted(calls) == list(range(len(calls)))
+    return content or None, [calls[i] for i in sorted(calls)]
+
+
+def check_streaming(make_streamer, text: str, extracted) -> None:
+    """Streamed in deltas of 1, 3, 7 characters (and whole), the same calls and content."""
+    want = [(c["function"]["name"], c["function"]["arguments"]) for c in extracted.tool_calls]
+    for size in (1, 3, 7, max(len(text), 1)):
+        content, calls = stream(make_streamer(), text, size)
+        assert [(c["name"], c["arguments"]) for c in calls] == want, size
+        assert len({c["id"] for c in calls}) == len(calls)
+        assert content == (extracted.content or None), (size, content, extracted.content)
+
+
+# ----------------------------------------------------------------------------- hermes
+def hermes_call(name, args, pretty=False) -> str:
+    body = json.dumps({"name": name, "arguments": args}, indent=2 if pretty else None)
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+HERMES_CASES = [
+    # (output, [(name, arguments dict)], content)
+    (hermes_call("get_weather", WEATHER), [("get_weather", WEATHER)], None),
+    (hermes_call("get_weather", WEATHER) + "\n" + hermes_call("search", NESTED, pretty=True),
+     [("get_weather", WEATHER), ("search", NESTED)], None),
+    ("Let me check the weather.\n\n" + hermes_call("get_weather", WEATHER),
+     [("get_weather", WEATHER)], "Let me check the weather."),
+    ("Sure.\n" + hermes_call("f", {}) + "\nDone, now the second:\n" + hermes_call("g", {"a": [1, 2]}) + "\n",
+     [("f", {}), ("g", {"a": [1, 2]})], "Sure.\n\nDone, now the second:"),
+    # keys in another order, extra keys, a missing closing tag
+    ('<tool_call>{"arguments": {"x": 1}, "id": 7, "name": "f"}', [("f", {"x": 1})], None),
+    # no arguments at all: {}
+    ('<tool_call>{"name": "ping"}</tool_call>', [("ping", {})], None),
+]
+
+
+@pytest.mark.parametrize("text, calls, content", HERMES_CASES)
+def test_hermes_extract_and_stream(text, calls, content):
+    parser = get_tool_parser("hermes")()
+    got = parser.extract_tool_calls(text)
+    assert got.tools_called
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got.tool_calls] == calls
+    # arguments are canonical JSON, as vLLM's json.dumps(..., ensure_ascii=False)
+    assert [c["function"]["arguments"] for c in got.tool_calls] == [dumps(a) for _, a in calls]
+    assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in got.tool_calls)
+    assert got.content == content
+    check_streaming(parser.streamer, text, got)
+
+
+@pytest.mark.parametrize("text", [
+    "Just an answer, no tools.",
+    "A tag-like < thing and <tool but not a call.  \n",
+    "",
+    '<tool_call>{"name": get_weather}</tool_call>',  # malformed JSON: returned as content
+    '<tool_call>{"arguments": {}}</tool_call>',  # no name
+    "<tool_call>not json at all</tool_call> trailing",
+    '<tool_call>{"name": "f", "arguments": {"a": 1}',  # cut off mid-call
+])
+def test_hermes_no_calls_is_content(text):
+    parser = get_tool_parser("hermes")()
+    got = parser.extract_tool_calls(text)
+    assert not got.tools_called and got.tool_calls == [] and got.content == text
+    if "<tool_call>{\"name\": \"f\"" not in text:  # a cut-off call has streamed its name already
+        check_streaming(parser.streamer, text, got)
+
+
+def test_hermes_valid_call_then_malformed_one():
+    """A malformed call ends the parsing: it and what follows are content."""
+    text = hermes_call("f", {"a": 1}) + "\n<tool_call>{\"name\": oops}</tool_call>"
+    got = get_tool_parser("hermes")().extract_tool_calls(text)
+    assert [c["function"]["name"] for c in got.tool_calls] == ["f"]
+    assert got.content == '<tool_call>{"name": oops}</tool_call>'
+
+
+def test_hermes_streams_argument_fragments():
+    """Long string arguments arrive while they are written, not only at the end."""
+    parser = get_tool_parser("hermes")()
+    s = parser.streamer()
+    text = hermes_call("write", {"code": "x" * 40})
+    fragments = [d["function"]["arguments"] for i in range(len(text))
+                 for d in s.feed(text[i], final=False).tool_calls if d["function"]["arguments"]]
+    assert len(fragments) > 30 and "".join(fragments) == dumps({"code": "x" * 40})
+
+
+def test_hermes_keeps_special_tokens():
+    parser = get_tool_parser("hermes")()
+    assert parser.skip_special_tokens(True) is False
+
+
+# ----------------------------------------------------------------------------- llama3_json
+LLAMA_CASES = [
+    ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', [("get_weather", WEATHER)], None),
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+     [("get_weather", WEATHER)], None),
+    ('<|python_tag|>{"name": "a", "parameters": {"q": 1}}; {"name": "b", "arguments": {"r": [true]}}',
+     [("a", {"q": 1}), ("b", {"r": [True]})], None),
+    ('  {"name": "a", "parameters": ' + json.dumps(NESTED) + '};<|python_tag|>{"name": "b", "parameters": {}}\n',
+     [("a", NESTED), ("b", {})], None),
+    ('{"name": "a", "parameters": {}}\nThat is all.', [("a", {})], "That is all."),
+]
+
+
+@pytest.mark.parametrize("text, calls, content", LLAMA_CASES)
+def test_llama3_json_extract_and_stream(text, calls, content):
+    parser = get_tool_parser("llama3_json")()
+    got = parser.extract_tool_calls(text)
+    assert got.tools_called
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got.tool_calls] == calls
+    assert [c["function"]["arguments"] for c in got.tool_calls] == [dumps(a) for _, a in calls]
+    assert got.content == content
+    check_streaming(parser.streamer, text, got)
+
+
+@pytest.mark.parametrize("text", [
+    "The weather in Paris is sunny.",
+    "Call {\"name\": \"a\", \"parameters\": {}} later",  # text before the JSON: not a call
+    '{"parameters": {"q": }, "name": "a"}',  # malformed (before the name is known)
+    '{"parameters": {}}',  # no name
+    "<|python_tag|>print('hi')",  # code, not JSON
+    "   ",
+])
+def test_llama3_json_no_calls_is_content(text):
+    parser = get_tool_parser("llama3_json")()
+    got = parser.extract_tool_calls(text)
+    assert not got.tools_called and got.content == text
+    check_streaming(parser.streamer, text, got)
+
+
+# ----------------------------------------------------------------------------- tool_choice required / named
+def test_required_array():
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}},\n {"name": "ping", ' \
+           '"parameters": {}}]'
+    got = JsonArrayToolStreamer().extract(text)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in got.tool_calls] == [
+        ("get_weather", dumps(WEATHER)), ("ping", "{}")]
+    assert got.content is None
+    check_streaming(JsonArrayToolStreamer, text, got)
+    for bad in ("not json", "[", '[{"name": 1}]', "{}"):
+        got = JsonArrayToolStreamer().extract(bad)
+        assert not got.tools_called and got.content == bad
+
+
+def test_named_function():
+    text = '{"city": "Paris"}'
+    got = NamedToolStreamer("get_weather").extract(text)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in got.tool_calls] == [("get_weather", text)]
+    check_streaming(lambda: NamedToolStreamer("get_weather"), text, got)
+
+
+# ----------------------------------------------------------------------------- registry, scanner
+def test_registry():
+    assert set(TOOL_PARSERS) >= {"hermes", "llama3_json"}
+    with pytest.raises(ValueError, match="hermes"):
+        get_tool_parser("nope")
+
+
+@pytest.mark.parametrize("bad", ['[1]', '{"name": "f",}', '{"name": "f" "x": 1}', '{"name": "f", "a": tru}',
+                                 '{"name": "f", "a": 01}', '{"name": "f", "a": "\\x"}', '{"name": "f"]'])
+def test_call_scanner_rejects_invalid_json(bad):
+    with pytest.raises(JsonError):
+        scanner = CallScanner()
+        scanner.feed(bad)
+        assert scanner.done
+
+
+def test_call_scanner_stops_after_the_object():
+    scanner = CallScanner()
+    used, events = scanner.feed('{"name": "f", "arguments": {"a": 10}} tail')
+    assert scanner.done and used == len('{"name": "f", "arguments": {"a": 10}}')
+    assert events == [("name", "f"), ("args", "{"), ("args", '"a"'), ("args", ": "), ("args", "10"), ("args", "}")]
