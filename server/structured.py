@@ -182,7 +182,9 @@ def tool_call_array_schema(tools: list[dict[str, Any]], *, parallel: bool = True
     """tool_choice="required" (vLLM's schema): a non-empty array whose items are
     ``{"name": <one tool's name>, "parameters": <that tool's parameters>}`` (at most one
     item when not ``parallel``: parallel_tool_calls=false). Each tool's ``$defs`` move to
-    the top, where their ``#/$defs/...`` references resolve."""
+    the top, where their ``#/$defs/...`` references resolve. Unlike vLLM's, an item takes
+    no other keys: a call is its name and parameters, and a small model otherwise goes on
+    writing keys (a "description" ...) until max_tokens."""
     defs: dict[str, Any] = {}
     variants = []
     for tool in tools:
@@ -193,7 +195,7 @@ def tool_call_array_schema(tools: list[dict[str, Any]], *, parallel: bool = True
             defs[name] = schema
         variants.append({"properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
                                         "parameters": params},
-                         "required": ["name", "parameters"]})
+                         "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
     if not parallel:
         schema["maxItems"] = 1

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.structured_output.backend_types import (
+    MAX_JSON_WHITESPACE,
     StructuredOutputBackend,
     StructuredOutputGrammar,
     invalid,
@@ -27,16 +28,19 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
 
     kind = params.kind
     if kind in ("json", "json_object"):
+        # The request's settings override the schema's own "x-guidance"; the bounded
+        # default whitespace only fills in.
+        defaults = {"whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_JSON_WHITESPACE}}}"}
         options: dict = {}
         if params.disable_any_whitespace:
             options["whitespace_flexible"] = False
-        if params.whitespace_pattern:
+        elif params.whitespace_pattern:
             options["whitespace_pattern"] = params.whitespace_pattern
         schema = schema_text(params) if kind == "json" else '{"type": "object"}'
         if params.disable_additional_properties and kind == "json":
             schema = json.dumps(_no_additional_properties(json.loads(schema)))
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options or None)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults, overrides=options or None)
         except ValueError as e:
             raise invalid(params, str(e)) from None
     if kind == "regex":

@@ -49,6 +49,13 @@ class StructuredOutputBackend(abc.ABC):
         """A fresh matcher for ``params`` (slow the first time; compiled grammars are cached)."""
 
 
+# Whitespace JSON may hold between two tokens (unless the request sets its own
+# pattern or none at all): pretty-printing to depth ~10 needs less, and a small model
+# left with unbounded whitespace can emit newlines until max_tokens (seen with
+# SmolLM2-135M, greedy, in tests/server/test_server_default_model.py).
+MAX_JSON_WHITESPACE = 24
+
+
 def schema_text(params: StructuredOutputsParams) -> str:
     """The JSON schema of a json constraint as text (what caches are keyed by)."""
     import json

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.structured_output.backend_types import (
+    MAX_JSON_WHITESPACE,
     StructuredOutputBackend,
     StructuredOutputGrammar,
     invalid,
@@ -35,12 +36,15 @@ def _grammar(params: StructuredOutputsParams):
 
     kind = params.kind
     try:
+        # (xgrammar has no whitespace pattern: a custom one is honoured by llguidance only.)
+        ws = dict(any_whitespace=not params.disable_any_whitespace,
+                  max_whitespace_cnt=None if params.disable_any_whitespace else MAX_JSON_WHITESPACE)
         if kind == "json":
             schema = _bounded_strings_as_patterns(json.loads(schema_text(params)))
-            return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=not params.disable_any_whitespace,
-                                                strict_mode=params.disable_additional_properties)
+            return xgr.Grammar.from_json_schema(json.dumps(schema), strict_mode=params.disable_additional_properties,
+                                                **ws)
         if kind == "json_object":  # an object (OpenAI's json_object), not any JSON value
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=not params.disable_any_whitespace)
+            return xgr.Grammar.from_json_schema('{"type": "object"}', **ws)
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":

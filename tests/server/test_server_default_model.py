@@ -54,3 +54,64 @@ def test_model_card_sampling_is_the_default(default_server):
              .choices[0].message.content
              for s in (1, 2) for kw in ({}, {"temperature": 0.2, "top_p": 0.9})]
     assert texts[0] == texts[1] and texts[2] == texts[3]
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def test_json_schema_response_validates(default_server):
+    """Issue 11: a json_schema chat request returns JSON that validates, greedy and sampled."""
+    import json
+
+    import jsonschema
+
+    client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "country": {"type": "string", "maxLength": 30},
+                                               "population_millions": {"type": "integer", "minimum": 0,
+                                                                       "maximum": 100}},
+              "required": ["city", "country", "population_millions"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Give the capital of France as JSON."}]
+    for kw in ({"temperature": 0}, {"temperature": 0.8, "seed": 3}):
+        res = client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=120,
+            response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}}, **kw)
+        choice = res.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_required_tool_call_streamed_and_not(default_server):
+    """tool_choice="required": a parsable call to the named function; the streamed
+    tool_calls deltas join to the non-streamed call."""
+    import json
+
+    client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model=NAME, messages=messages, tools=[WEATHER_TOOL], tool_choice="required", temperature=0,
+              max_tokens=120, parallel_tool_calls=False)
+    res = client.chat.completions.create(**kw)
+    choice = res.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+
+    name, arguments, finish = None, "", None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        for tc in delta.tool_calls or []:
+            assert tc.index == 0
+            if tc.function.name:
+                name = tc.function.name
+            arguments += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert (name, finish) == ("get_weather", "tool_calls")
+    assert json.loads(arguments) == args
