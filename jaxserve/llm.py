@@ -90,10 +90,17 @@ class LLM:
             raise
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            # A failed request (RequestFailedError) or an interrupt: leave the engine empty
+            # for the next call.
+            engine.abort_request([r for r in ids if r not in results])
+            raise
+        finally:
+            bar.close()
         return [results[r] for r in ids]

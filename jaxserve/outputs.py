@@ -39,6 +39,15 @@ class ModelRunnerOutput:
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], {}, [])
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed one request (its detokenizing, its grammar ...) and went on
+    serving the others; the request has ended."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id} failed: {message}")
+        self.request_id = request_id
+
+
 @dataclass(slots=True)
 class EngineCoreOutput:
     request_id: str
@@ -48,6 +57,9 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Set when the engine failed this request alone (its grammar broke, ...): the
+    # request has ended (finish_reason abort) and its caller gets this error.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

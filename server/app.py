@@ -5,7 +5,6 @@ import asyncio
 import json
 import logging
 import os
-import secrets
 import time
 from typing import Any
 
@@ -18,6 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import jaxserve
 from jaxserve.engine.async_llm import AsyncLLM
 from server.errors import APIError, engine_dead, internal_error
+from server.limits import ServerLimits, install_limits
+from server.lifecycle import install_draining
 from server.metrics import PrometheusStatLogger
 from server.protocol import (
     ChatCompletionRequest,
@@ -180,7 +181,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
               default_sampling_params: dict[str, Any] | None = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None, chat_template: str | None = None,
-              enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
+              enable_tokenizer_info_endpoint: bool = False, limits: ServerLimits | None = None) -> FastAPI:
     """An OpenAI-compatible app over ``async_llm``. With ``api_key``, every /v1 route
     needs ``Authorization: Bearer <api_key>`` (HTTP 401 otherwise). Sampling fields a
     request leaves out come from ``default_sampling_params`` (default: the model's
@@ -190,7 +191,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
     ``enable_auto_tool_choice`` (which needs it) allows tool_choice="auto". The
     reasoning parser defaults to the engine's (--reasoning-parser). ``chat_template``
     (a path or the template) replaces the tokenizer's. ``enable_tokenizer_info_endpoint``
-    adds GET /tokenizer_info."""
+    adds GET /tokenizer_info. ``limits`` (server/limits.py): body size, --protect-all-routes,
+    --trust-request-chat-template."""
     max_model_len = max_model_len or async_llm.max_model_len
     if default_sampling_params is None:
         default_sampling_params = async_llm.model_config.get_diff_sampling_param()
@@ -208,8 +210,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
         reasoner = get_reasoning_parser(reasoning_parser)(tokenizer)
     chat_template = load_chat_template(chat_template)
     app = FastAPI(title="jaxserve", version=jaxserve.__version__)
+    install_draining(app)  # 503 on /v1 once a graceful shutdown began (server/lifecycle.py)
     kwargs = {"max_model_len": max_model_len, "enable_prompt_tokens_details": enable_prompt_tokens_details,
-              "default_sampling_params": default_sampling_params, "chat_template": chat_template}
+              "default_sampling_params": default_sampling_params, "chat_template": chat_template,
+              "limits": limits or ServerLimits()}
     serving_completion = OpenAIServingCompletion(async_llm, served_model_name, **kwargs)
     serving_chat = OpenAIServingChat(async_llm, served_model_name, tool_parser=tool_parser,
                                      enable_auto_tools=enable_auto_tool_choice, reasoning_parser=reasoner, **kwargs)
@@ -232,7 +236,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
         errors = exc.errors()
         param = None
         if errors:
-            loc = [str(x) for x in errors[0].get("loc", ()) if x != "body"]
+            loc = [x for x in errors[0].get("loc", ()) if isinstance(x, str) and x != "body"]
             param = loc[0] if loc else None
         message = json.dumps([{"type": e.get("type"), "loc": list(e.get("loc", ())), "msg": e.get("msg")}
                               for e in errors], default=str)
@@ -247,17 +251,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
         logger.exception("unhandled error")
         return internal_error(exc).to_json_response()
 
-    # ------------------------------------------------------------------ auth
-    if api_key:
-        expected = f"Bearer {api_key}".encode()
-
-        @app.middleware("http")
-        async def _authenticate(request: Request, call_next):
-            if request.method != "OPTIONS" and request.url.path.startswith("/v1"):
-                got = request.headers.get("Authorization", "").encode()
-                if not secrets.compare_digest(got, expected):
-                    return APIError("Unauthorized: a valid API key is required.", 401).to_json_response()
-            return await call_next(request)
+    # ------------------------------------------------------------------ auth, body size / type
+    install_limits(app, kwargs["limits"], api_key=api_key)
 
     # ------------------------------------------------------------------ routes
     def respond(result):

@@ -57,6 +57,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                              "(Qwen2.5 / Qwen3 / Hermes <tool_call> JSON), llama3_json (Llama 3.x JSON).")
     server.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                         help="Serve GET /tokenizer_info (the tokenizer's config and chat template).")
+    server.add_argument("--max-num-waiting-requests", type=int, default=None,
+                        help="Sequences that may wait beyond those running before requests get 503 + Retry-After "
+                             "(default: one per KV cache block, at least 2 x max_num_seqs; 0: no bound).")
+    server.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="On SIGTERM, seconds requests in flight may take to finish before they are aborted "
+                             "(default: %(default)s).")
+    server.add_argument("--engine-iteration-timeout", type=float, default=300.0,
+                        help="A step running longer kills the engine: requests fail, the server exits 1 "
+                             "(default: %(default)s s; 0: never).")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=run_serve)
@@ -65,17 +74,18 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_serve(args: argparse.Namespace) -> None:
     """Build the engine from the flags, warm it up, serve until interrupted."""
-    import uvicorn
-
     from jaxserve.engine.async_llm import AsyncLLM
     from server.app import build_app
+    from server.lifecycle import serve
 
     try:
         check_serve_args(args)
     except ValueError as e:
         raise SystemExit(f"jaxserve serve: error: {e}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    async_llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+    async_llm = AsyncLLM.from_engine_args(
+        EngineArgs.from_cli_args(args), max_num_waiting_requests=args.max_num_waiting_requests,
+        iteration_timeout_s=args.engine_iteration_timeout or None)
     config = async_llm.config
     logger.info("Engine ready in %.1f s (warm-up %.1f s)", async_llm.engine.startup_seconds,
                 async_llm.engine.warmup_seconds)
@@ -87,11 +97,10 @@ def run_serve(args: argparse.Namespace) -> None:
                     reasoning_parser=config.structured_outputs_config.reasoning_parser,
                     chat_template=args.chat_template,
                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    timeout_keep_alive=5)
-    finally:
-        async_llm.shutdown()
+    code = serve(app, async_llm, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                 shutdown_timeout=args.shutdown_timeout)
+    if code:
+        raise SystemExit(code)
 
 
 def main(argv: list[str] | None = None) -> None:

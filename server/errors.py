@@ -7,7 +7,7 @@ from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
-from jaxserve.engine.async_llm import EngineDeadError
+from jaxserve.engine.async_llm import EngineDeadError, EngineOverloadedError, EngineStepError, StreamOverflowError
 from server.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {
@@ -23,9 +23,11 @@ _TYPES = {
 class APIError(Exception):
     """Raised by the serving code; the app turns it into the error envelope."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, err_type: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, err_type: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
+        self.headers = headers
         self.status = int(status)
         self.param = param
         self.type = err_type or _TYPES.get(self.status) or HTTPStatus(self.status).phrase.replace(" ", "") + "Error"
@@ -34,7 +36,7 @@ class APIError(Exception):
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status))
 
     def to_json_response(self) -> JSONResponse:
-        return JSONResponse(self.to_response().model_dump(), status_code=self.status)
+        return JSONResponse(self.to_response().model_dump(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -54,6 +56,12 @@ def engine_error(e: BaseException) -> APIError:
     a dead engine 503, anything else 500."""
     if isinstance(e, APIError):
         return e
+    if isinstance(e, EngineOverloadedError):
+        return APIError(str(e), 503, headers={"Retry-After": str(e.retry_after)})
+    if isinstance(e, EngineStepError):  # a step failed under this request: the error, then the engine is dead
+        return APIError(f"Internal server error: {e}", 500)
+    if isinstance(e, StreamOverflowError):
+        return APIError(str(e), 408)
     if isinstance(e, EngineDeadError):
         return engine_dead(f"The engine is dead: {e}")
     return internal_error(e)

@@ -201,6 +201,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_stream_options(request)
         self.check_unsupported(request)
         _, ids, params, mode = self._prepare(request)
+        self.check_capacity(params.n)
         shaper = self.output_shaper(mode)
         request_id, engine_id = self.request_ids("chatcmpl", request, raw_request)
         created = int(time.time())

@@ -96,6 +96,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.best_of is not None and request.best_of != request.n:
             raise bad_request("best_of is not supported; use n.", "best_of")
         inputs = self._prepare(request)
+        self.check_capacity(sum(inp.params.n for inp in inputs))
         request_id, engine_id = self.request_ids("cmpl", request, raw_request)
         created = int(time.time())
         generators = [

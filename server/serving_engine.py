@@ -61,6 +61,14 @@ class OpenAIServing:
         if self.engine_client.errored:
             raise engine_dead("The engine is dead; restart the server.")
 
+    def check_capacity(self, num_seqs: int) -> None:
+        """503 with Retry-After when the engine has more waiting than it accepts (before
+        a stream starts, so a streaming client gets the status too)."""
+        try:
+            self.engine_client.check_capacity(num_seqs)
+        except Exception as e:  # noqa: BLE001 — EngineOverloadedError; mapped like any engine error
+            raise engine_error(e) from e
+
     @staticmethod
     def check_stream_options(request) -> None:
         if request.stream_options is not None and not request.stream:

@@ -42,6 +42,24 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed (or was shut down); no request can be served any more."""
 
 
+class EngineStepError(EngineDeadError):
+    """What a request in flight gets when a step fails (or stalls past the iteration
+    timeout) without saying which request is at fault: the error itself (HTTP 500).
+    The engine is dead afterwards (new requests: EngineDeadError, HTTP 503)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests waiting: retry later (HTTP 503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class StreamOverflowError(RuntimeError):
+    """The caller stopped reading: more outputs queued than allowed, so the request was aborted."""
+
+
 # ----------------------------------------------------------------------------- streams
 _ABORTED = object()  # queue sentinel: the caller aborted the request
 
@@ -53,9 +71,10 @@ class RequestStream:
     that touches ``queue`` runs on ``loop``."""
 
     __slots__ = ("request_id", "loop", "queue", "closed", "n", "prompt", "prompt_token_ids", "arrival_time",
-                 "first_token_time", "last_output_time", "num_generation_tokens")
+                 "first_token_time", "last_output_time", "num_generation_tokens", "max_queued", "on_overflow")
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, n: int, prompt, prompt_token_ids) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, n: int, prompt, prompt_token_ids, *,
+                 max_queued: int | None = None, on_overflow=None) -> None:
         self.request_id = request_id
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -68,13 +87,37 @@ class RequestStream:
         self.first_token_time: float | None = None
         self.last_output_time: dict[int, float] = {}
         self.num_generation_tokens = 0
+        # A caller that stops reading (a stalled client) must not hold its request, and
+        # the memory of its outputs, for ever: past max_queued unread outputs it is aborted.
+        self.max_queued = max_queued
+        self.on_overflow = on_overflow
 
 
 def _deliver(items: list) -> None:
-    """Runs on the event loop: put each (stream, item) on its queue."""
+    """Runs on the event loop: put each (stream, item) on its queue; a stream whose
+    reader fell more than max_queued outputs behind gets a StreamOverflowError and its
+    request is aborted."""
     for stream, item in items:
-        if not stream.closed:
-            stream.queue.put_nowait(item)
+        if stream.closed:
+            continue
+        if stream.max_queued is not None and stream.queue.qsize() >= stream.max_queued:
+            stream.closed = True
+            stream.queue.put_nowait(StreamOverflowError(
+                f"request {stream.request_id}: more than {stream.max_queued} outputs unread; aborted"))
+            if stream.on_overflow is not None:
+                stream.on_overflow(stream)
+            continue
+        stream.queue.put_nowait(item)
+
+
+def default_max_num_waiting_requests(config: EngineConfig, engine: LLMEngine) -> int:
+    """How many sequences may wait (beyond those running) before requests get 503s: one
+    per KV cache block, at least twice max_num_seqs. Sized from the cache because it is
+    what admits waiting requests; a queue far longer than the cache drains in a few
+    rounds only adds latency (and memory), while a burst of short requests still fits
+    (a block holds block_size tokens, so the bound is generous for short prompts)."""
+    blocks = engine.model_runner.num_blocks * config.parallel_config.data_parallel_size
+    return max(2 * config.scheduler_config.max_num_seqs, blocks)
 
 
 # ----------------------------------------------------------------------------- inbox commands
@@ -105,7 +148,14 @@ class AsyncLLM:
     """Asynchronous front of an LLMEngine whose loop runs in a background thread."""
 
     def __init__(self, config: EngineConfig, *, progress: bool = True, engine: LLMEngine | None = None,
-                 stat_loggers: list[StatLogger] | None = None, start: bool = True) -> None:
+                 stat_loggers: list[StatLogger] | None = None, start: bool = True,
+                 max_num_waiting_requests: int | None = None, max_queued_outputs: int | None = 4096,
+                 iteration_timeout_s: float | None = 300.0) -> None:
+        """max_num_waiting_requests: sequences allowed to wait beyond those that can run
+        (max_num_seqs per rank); more is EngineOverloadedError (None: the default,
+        ``default_max_num_waiting_requests``; 0 or less: no bound). max_queued_outputs:
+        unread outputs per request before it is aborted (None: no bound).
+        iteration_timeout_s: a step running longer kills the engine (None: never)."""
         self.config = config
         self.engine = engine if engine is not None else LLMEngine(config, progress=progress)
         self.model_config = config.model_config
@@ -127,17 +177,33 @@ class AsyncLLM:
         self._prefix_metrics = PrefixCachingMetrics()
         self._prefix_queries = 0
         self._prefix_hits = 0
+        if max_num_waiting_requests is None:
+            max_num_waiting_requests = default_max_num_waiting_requests(config, self.engine)
+        sc, pc = config.scheduler_config, config.parallel_config
+        # Sequences (n > 1 counts n) in flight before new requests are turned away.
+        self.max_num_waiting_requests = max_num_waiting_requests
+        self.max_in_flight = (sc.max_num_seqs * pc.data_parallel_size + max_num_waiting_requests
+                              if max_num_waiting_requests > 0 else None)
+        self.max_queued_outputs = max_queued_outputs
+        self.iteration_timeout_s = iteration_timeout_s
+        self._in_flight = 0  # sequences of the registered streams; guarded by _streams_lock
+        self._step_started: float | None = None  # monotonic start of the step running now
         self._thread = threading.Thread(target=self._run_engine_loop, name="jaxserve-engine", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch_steps, name="jaxserve-watchdog", daemon=True)
         if start:
             self._thread.start()
+            if iteration_timeout_s is not None:
+                self._watchdog.start()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, *, progress: bool = True, compilation_cache: bool = True,
-                         stat_loggers: list[StatLogger] | None = None) -> "AsyncLLM":
-        """Build the engine from EngineArgs (vLLM's names), as ``jaxserve serve`` does."""
+                         stat_loggers: list[StatLogger] | None = None, **kwargs) -> "AsyncLLM":
+        """Build the engine from EngineArgs (vLLM's names), as ``jaxserve serve`` does;
+        ``kwargs``: the front's own limits (max_num_waiting_requests, ...)."""
         if compilation_cache:
             enable_compilation_cache()
-        return cls(engine_args.create_engine_config(progress=progress), progress=progress, stat_loggers=stat_loggers)
+        return cls(engine_args.create_engine_config(progress=progress), progress=progress, stat_loggers=stat_loggers,
+                   **kwargs)
 
     # ------------------------------------------------------------------ state
     @property
@@ -151,6 +217,16 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self.errored
+
+    def check_capacity(self, num_seqs: int) -> None:
+        """EngineOverloadedError if ``num_seqs`` more sequences would exceed the bound on
+        requests in flight (checked again when a request registers; this lets a server
+        answer 503 before a stream starts)."""
+        limit = self.max_in_flight
+        if limit is not None and self._in_flight + num_seqs > limit:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {self._in_flight} sequences in flight, at most {limit} "
+                f"({self.max_num_waiting_requests} waiting); retry later")
 
     def check_health(self) -> None:
         if self._dead_error is not None:
@@ -192,15 +268,17 @@ class AsyncLLM:
         text, ids = self.process_inputs(prompt, sampling_params, add_special_tokens=add_special_tokens)
         params = sampling_params.replace(output_kind=output_kind)
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, loop, params.n, text, ids)
+        stream = RequestStream(request_id, loop, params.n, text, ids, max_queued=self.max_queued_outputs,
+                               on_overflow=self._on_overflow)
         with self._streams_lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
+            self.check_capacity(params.n)
             self._streams[request_id] = stream
+            self._in_flight += stream.n
         if self._dead_error is not None:  # died between the check above and registration
             stream.closed = True
-            with self._streams_lock:
-                self._streams.pop(request_id, None)
+            self._unregister(stream)
             self.check_health()
         self._post(AddRequest(stream, text, ids, params, priority, cache_salt))
         finished = False
@@ -222,9 +300,7 @@ class AsyncLLM:
                         return
         finally:
             stream.closed = True
-            with self._streams_lock:
-                if self._streams.get(request_id) is stream:
-                    del self._streams[request_id]
+            self._unregister(stream)
             if not finished:
                 # Cancelled or closed by the caller (client disconnect): stop the request.
                 # The abort names this stream, so a late close cannot hit a newer request
@@ -289,6 +365,8 @@ class AsyncLLM:
         for rid in ids:
             with self._streams_lock:
                 stream = self._streams.pop(rid, None)
+                if stream is not None:
+                    self._in_flight -= stream.n
             if stream is not None and not stream.closed:
                 try:
                     running = asyncio.get_running_loop()
@@ -310,7 +388,8 @@ class AsyncLLM:
             self._shutdown = True
             self._cond.notify_all()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+            # A dead engine's thread may be stuck in the step that killed it: do not wait for it.
+            self._thread.join(timeout if self._dead_error is None else 1.0)
         if not self._thread.is_alive():  # a step still running keeps the followers needed
             self.engine.engine_core.shutdown()
         if self._dead_error is None:
@@ -340,7 +419,11 @@ class AsyncLLM:
                 by_loop: dict = {}
                 if engine.has_unfinished_requests():
                     steps_before = engine.num_steps
+                    self._step_started = time.monotonic()
                     outputs = engine.step_with_states()
+                    self._step_started = None
+                    if self._dead_error is not None:
+                        return  # the watchdog gave up on this step: its requests have failed
                     by_loop = self._collect(outputs, iteration)
                     if not outputs and engine.num_steps == steps_before:
                         # Work exists but nothing could be scheduled: wait for an inbox
@@ -352,9 +435,12 @@ class AsyncLLM:
                 self._publish_stats(iteration)
                 self._deliver(by_loop)
         except BaseException as e:  # noqa: BLE001 — any failure kills the engine
+            # Which request a failed step was about is unknown (the KV cache it was given
+            # is gone too): every request in flight fails with the error, and the engine
+            # is dead (the server exits non-zero so that a supervisor restarts it).
             logger.exception("The engine loop failed; the engine is dead")
             self._dead_error = e
-            self._fail_all_streams(EngineDeadError(f"the engine loop failed: {e!r}"))
+            self._fail_all_streams(EngineStepError(f"the engine failed: {e!r}"))
 
     def _apply(self, cmd: EngineCommand, iteration: IterationStats) -> None:
         if isinstance(cmd, AddRequest):
@@ -393,7 +479,8 @@ class AsyncLLM:
             stream = st.stream
             if not isinstance(stream, RequestStream):
                 continue
-            self._account(stream, out, now, iteration)
+            if not isinstance(out, BaseException):
+                self._account(stream, out, now, iteration)
             if not stream.closed:
                 by_loop.setdefault(stream.loop, []).append((stream, out))
         return by_loop
@@ -454,10 +541,38 @@ class AsyncLLM:
             except Exception:  # noqa: BLE001 — metrics must never kill the engine
                 logger.exception("stat logger %r failed", lg)
 
+    def _unregister(self, stream: RequestStream) -> None:
+        with self._streams_lock:
+            if self._streams.get(stream.request_id) is stream:
+                del self._streams[stream.request_id]
+                self._in_flight -= stream.n
+
+    def _on_overflow(self, stream: RequestStream) -> None:
+        """(On the stream's event loop.) Its reader stalled: forget it, abort its request."""
+        logger.warning("request %s: its reader stalled (%d outputs unread); aborting it", stream.request_id,
+                       stream.max_queued)
+        self._unregister(stream)
+        self._post(AbortRequest(stream))
+
+    def _watch_steps(self) -> None:
+        """Watchdog thread: a step running past iteration_timeout_s (a hung device, a
+        deadlock) kills the engine, so every request ends instead of waiting for ever."""
+        period = min(1.0, self.iteration_timeout_s / 4)
+        while not self._shutdown and self._dead_error is None:
+            time.sleep(period)
+            started = self._step_started
+            if started is not None and time.monotonic() - started > self.iteration_timeout_s:
+                error = TimeoutError(f"an engine step has run for more than {self.iteration_timeout_s:g} s")
+                logger.error("%s; the engine is dead", error)
+                self._dead_error = error
+                self._fail_all_streams(EngineStepError(f"the engine failed: {error}"))
+                return
+
     def _fail_all_streams(self, error: BaseException) -> None:
         with self._streams_lock:
             streams = list(self._streams.values())
             self._streams.clear()
+            self._in_flight = 0
         for stream in streams:
             if not stream.closed:
                 self._send(stream, error)

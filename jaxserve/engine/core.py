@@ -24,6 +24,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import PrefixCacheStats
 from jaxserve.core.sched.dp_balancer import choose_rank
 from jaxserve.core.sched.scheduler import Scheduler, SchedulerStats
+from jaxserve.engine.fault_injection import FaultInjector
 from jaxserve.engine.multihost import StepChannel, initialize_distributed, is_leader, is_multihost, run_follower
 from jaxserve.outputs import EngineCoreOutput
 from jaxserve.request import Request, RequestStatus
@@ -69,6 +70,7 @@ class EngineCore:
         ]
         self.num_steps = 0  # steps that ran the model
         self.structured_output_manager: StructuredOutputManager | None = None
+        self.fault_injector: FaultInjector | None = None  # tests and drills (engine/fault_injection.py)
 
     def attach_structured_output_manager(self, manager: StructuredOutputManager) -> None:
         """Grammar-constrained decoding (it needs the tokenizer, which the engine owns)."""
@@ -130,6 +132,8 @@ class EngineCore:
         results: list[EngineCoreOutput] = [o for s in self.schedulers for o in s.take_pending_outputs()]
         if not any(so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids for so in outputs):
             return results  # nothing for the runner to run or to forget
+        if self.fault_injector is not None:
+            self.fault_injector.before_step(self.num_steps + 1)
         if self._channel is not None:
             self._channel.publish(outputs)  # the followers run the same step
         runner_outputs = self.model_runner.execute_model(outputs)

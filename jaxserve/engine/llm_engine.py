@@ -11,7 +11,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.outputs import RequestOutput
+from jaxserve.engine.fault_injection import FaultInjector
+from jaxserve.outputs import RequestFailedError, RequestOutput
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_output import StructuredOutputManager
@@ -47,11 +48,22 @@ class LLMEngine:
             kv_cache_tokens=(runner.num_blocks - 1) * config.cache_config.block_size,
             structured_output_manager=self.structured_output_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Tests and drills: JAXSERVE_FAULTS (engine/fault_injection.py); None normally.
+        self.fault_injector = FaultInjector.from_env()
         self.startup_seconds = time.perf_counter() - t0
         # caller's request id -> engine request ids (children of n > 1), while unfinished.
         self._children: dict[str, list[str]] = {}
 
     # --------------------------------------------------------------- accessors
+    @property
+    def fault_injector(self) -> FaultInjector | None:
+        return self.engine_core.fault_injector
+
+    @fault_injector.setter
+    def fault_injector(self, injector: FaultInjector | None) -> None:
+        self.engine_core.fault_injector = injector
+        self.output_processor.fault_injector = injector
+
     @property
     def model_runner(self) -> ModelRunner:
         return self.engine_core.model_runner
@@ -134,15 +146,27 @@ class LLMEngine:
 
     # --------------------------------------------------------------- step
     def step_with_states(self):
-        """One engine step: [(RequestState, RequestOutput)]."""
+        """One engine step: [(RequestState, RequestOutput | RequestFailedError)]. A failed
+        request ends as a whole (its other choices, if n > 1, are aborted)."""
         core_outputs = self.engine_core.step()
         outputs, reqs_to_abort = self.output_processor.process_outputs(core_outputs)
         if reqs_to_abort:
             self.engine_core.finish_stopped(reqs_to_abort)
-        for _, out in outputs:
-            if out.finished:
+        for st, out in outputs:
+            if isinstance(out, RequestFailedError):
+                siblings = self.engine_request_ids(st.external_id)
+                self.engine_core.abort_requests([st.request_id, *siblings])
+                self.output_processor.drop_requests(siblings)
+                self._children.pop(st.external_id, None)
+            elif out.finished:
                 self._children.pop(out.request_id, None)
         return outputs
 
     def step(self) -> list[RequestOutput]:
-        return [out for _, out in self.step_with_states()]
+        """One engine step's outputs; a request the engine failed raises its
+        RequestFailedError (after the step, so the engine stays consistent)."""
+        outputs = self.step_with_states()
+        failed = next((out for _, out in outputs if isinstance(out, RequestFailedError)), None)
+        if failed is not None:
+            raise failed
+        return [out for _, out in outputs]

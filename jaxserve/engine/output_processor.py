@@ -2,17 +2,23 @@
 logprobs as dicts, n > 1 completions gathered under their parent)."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.outputs import CompletionOutput, EngineCoreOutput, Logprob, LogprobsLists, RequestOutput
+from jaxserve.outputs import (
+    CompletionOutput, EngineCoreOutput, Logprob, LogprobsLists, RequestFailedError, RequestOutput,
+)
 from jaxserve.request import FinishReason
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # async_llm imports llm_engine, which imports this module
     from jaxserve.engine.async_llm import RequestStream
+    from jaxserve.engine.fault_injection import FaultInjector
+
+logger = logging.getLogger("jaxserve")
 
 
 @dataclass
@@ -54,6 +60,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
+        self.fault_injector: FaultInjector | None = None  # tests and drills
 
     def add_request(self, request_id: str, external_id: str, index: int, prompt: str | None,
                     prompt_token_ids: list[int], params: SamplingParams, stream: RequestStream | None = None,
@@ -92,8 +99,11 @@ class OutputProcessor:
         return outs
 
     def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]):
-        """Returns ([(state, RequestOutput)], request ids to abort in the engine core
-        because a stop string ended them)."""
+        """Returns ([(state, RequestOutput | RequestFailedError)], request ids to abort in
+        the engine core because a stop string ended them). A request whose output cannot
+        be processed (its detokenizing raised) or that the core failed (eco.error) ends
+        here with a RequestFailedError instead of an output; the others are unaffected.
+        The caller aborts a failed request that the core still runs (``not eco.finished``)."""
         outputs = []
         reqs_to_abort = []
         now = time.monotonic()
@@ -101,32 +111,58 @@ class OutputProcessor:
             st = self.request_states.get(eco.request_id)
             if st is None:
                 continue
-            if eco.new_token_ids and st.first_token_time is None:
-                st.first_token_time = now
-            st.num_cached_tokens = eco.num_cached_tokens
-            st.token_ids.extend(eco.new_token_ids)
-            finish_reason, stop_reason = eco.finish_reason, eco.stop_reason
-            # The last token is an EOS / stop token (whose text is hidden), not the token that
-            # completed a grammar (structured outputs), which is text like any other.
-            stop_terminated = (finish_reason == FinishReason.STOP and bool(eco.new_token_ids)
-                               and eco.new_token_ids[-1] in st.params.all_stop_token_ids)
-            stop_str = st.detokenizer.update(eco.new_token_ids, stop_terminated)
-            if stop_str is not None and finish_reason is None:
-                finish_reason, stop_reason = FinishReason.STOP, stop_str
-                reqs_to_abort.append(eco.request_id)
-            elif stop_str is not None:
-                finish_reason, stop_reason = FinishReason.STOP, stop_str
-            if eco.new_logprobs is not None and st.logprobs is not None:
-                self._append_logprobs(st, eco.new_logprobs, len(eco.new_token_ids))
-            if eco.new_prompt_logprobs is not None and st.prompt_logprobs is not None:
-                st.prompt_logprobs.extend(self._logprob_dicts(
-                    eco.new_prompt_logprobs, st.params.prompt_logprobs, len(eco.new_prompt_logprobs.logprobs)))
-            out = self._make_output(st, finish_reason, stop_reason)
-            if out is not None:
-                outputs.append((st, out))
-            if finish_reason is not None:
+            try:
+                if eco.error is not None:
+                    raise RequestFailedError(st.external_id, eco.error)
+                self._process_one(st, eco, now, outputs, reqs_to_abort)
+            except Exception as e:  # noqa: BLE001 — fail this request, keep serving the rest
+                logger.exception("request %s failed while its output was processed", eco.request_id)
+                if not isinstance(e, RequestFailedError):
+                    e = RequestFailedError(st.external_id, repr(e))
+                outputs.append((st, e))
+                if st.parent is not None:
+                    st.parent.finished.add(st.index)
                 self._finish(st)
         return outputs, reqs_to_abort
+
+    def _process_one(self, st: RequestState, eco: EngineCoreOutput, now: float, outputs: list,
+                     reqs_to_abort: list) -> None:
+        if eco.new_token_ids and st.first_token_time is None:
+            st.first_token_time = now
+        st.num_cached_tokens = eco.num_cached_tokens
+        if self.fault_injector is not None:
+            self.fault_injector.before_detokenize(eco.new_token_ids)
+        st.token_ids.extend(eco.new_token_ids)
+        finish_reason, stop_reason = eco.finish_reason, eco.stop_reason
+        # The last token is an EOS / stop token (whose text is hidden), not the token that
+        # completed a grammar (structured outputs), which is text like any other.
+        stop_terminated = (finish_reason == FinishReason.STOP and bool(eco.new_token_ids)
+                           and eco.new_token_ids[-1] in st.params.all_stop_token_ids)
+        stop_str = st.detokenizer.update(eco.new_token_ids, stop_terminated)
+        if stop_str is not None and finish_reason is None:
+            finish_reason, stop_reason = FinishReason.STOP, stop_str
+            reqs_to_abort.append(eco.request_id)
+        elif stop_str is not None:
+            finish_reason, stop_reason = FinishReason.STOP, stop_str
+        if eco.new_logprobs is not None and st.logprobs is not None:
+            self._append_logprobs(st, eco.new_logprobs, len(eco.new_token_ids))
+        if eco.new_prompt_logprobs is not None and st.prompt_logprobs is not None:
+            st.prompt_logprobs.extend(self._logprob_dicts(
+                eco.new_prompt_logprobs, st.params.prompt_logprobs, len(eco.new_prompt_logprobs.logprobs)))
+        out = self._make_output(st, finish_reason, stop_reason)
+        if out is not None:
+            outputs.append((st, out))
+        if finish_reason is not None:
+            self._finish(st)
+
+    def drop_requests(self, request_ids: list[str]) -> None:
+        """Forget requests without an output (their caller gets an error instead)."""
+        for rid in request_ids:
+            st = self.request_states.get(rid)
+            if st is not None:
+                if st.parent is not None:
+                    st.parent.finished.add(st.index)
+                self._finish(st)
 
     def _finish(self, st: RequestState) -> None:
         self.request_states.pop(st.request_id, None)

@@ -127,7 +127,7 @@ def test_failed_compile_ends_the_request_with_an_output():
     so = sched.schedule()
     assert not so.num_scheduled_tokens
     (out,) = sched.take_pending_outputs()
-    assert out.request_id == "a" and str(out.finish_reason) == "abort" and "boom" in out.stop_reason
+    assert out.request_id == "a" and str(out.finish_reason) == "abort" and "boom" in out.error
     assert_scheduler_empty(sched)
 
 

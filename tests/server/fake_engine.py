@@ -59,6 +59,9 @@ class FakeEngine:
             return None, list(prompt["prompt_token_ids"])
         return prompt, self.tokenizer.encode(prompt)
 
+    def check_capacity(self, num_seqs):
+        pass
+
     def get_tokenizer(self):
         return self.tokenizer
 

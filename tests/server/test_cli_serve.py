@@ -54,13 +54,14 @@ def test_serve_tool_and_reasoning_flags():
 
 def test_run_serve_wiring(tiny_model_dir, monkeypatch):
     """run_serve builds the engine from the flags and hands uvicorn a working app."""
-    import uvicorn
     from starlette.testclient import TestClient
+
+    import server.lifecycle
 
     seen = {}
 
-    def fake_run(app, host, port, **kwargs):
-        seen.update(host=host, port=port)
+    def fake_serve(app, async_llm, *, host, port, **kwargs):
+        seen.update(host=host, port=port, shutdown_timeout=kwargs["shutdown_timeout"])
         with TestClient(app) as c:
             seen["models"] = c.get("/v1/models", headers={"Authorization": "Bearer k"}).json()
             seen["unauthorized"] = c.get("/v1/models").status_code
@@ -70,8 +71,10 @@ def test_run_serve_wiring(tiny_model_dir, monkeypatch):
             seen["tools"] = c.post("/v1/chat/completions", headers={"Authorization": "Bearer k"}, json={
                 "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2,
                 "tools": [{"type": "function", "function": {"name": "f"}}]}).status_code
+        async_llm.shutdown()
+        return 0
 
-    monkeypatch.setattr(uvicorn, "run", fake_run)
+    monkeypatch.setattr(server.lifecycle, "serve", fake_serve)
     run_serve(parse(["serve", str(tiny_model_dir), "--port", "9123", "--max-model-len", "128", "--max-num-seqs", "4",
                      "--max-num-batched-tokens", "32", "--kv-cache-memory", str(2 << 20), "--served-model-name",
                      "tiny-cli", "--api-key", "k", "--enforce-eager", "--max-logprobs", "3",

@@ -1,5 +1,6 @@
-"""A failing engine loop: the engine is marked dead, in-flight requests fail (an SSE
-error event, then [DONE]), /health and new requests answer 503 (API-01, API-19)."""
+"""A failing engine loop: the engine is marked dead, in-flight requests fail with the
+error (an SSE error event with code 500, then [DONE]), /health and new requests
+answer 503 (API-01, API-19; issue 14)."""
 from __future__ import annotations
 
 import asyncio
@@ -44,7 +45,7 @@ def test_engine_death(doomed):
                     llm.engine.engine_core.step = boom
         assert events[-1] == "data: [DONE]"
         err = json.loads(events[-2][len("data: "):])["error"]
-        assert err["code"] == 503 and "device lost" in err["message"]
+        assert err["code"] == 500 and "device lost" in err["message"]
         assert llm.errored and isinstance(llm.dead_error, RuntimeError)
 
         r = http.get("/health")

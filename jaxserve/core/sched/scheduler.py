@@ -251,7 +251,7 @@ class Scheduler:
             self._free_request(request)
             self._pending_outputs.append(EngineCoreOutput(
                 request_id=request.request_id, new_token_ids=[], finish_reason=request.get_finished_reason(),
-                stop_reason=f"structured output grammar failed to compile: {so.error}"))
+                error=f"structured output grammar failed to compile: {so.error!r}"))
             return False
         request.status = RequestStatus.WAITING
         return True
@@ -354,10 +354,16 @@ class Scheduler:
             # A request preempted after this step was scheduled (possible once scheduling
             # runs ahead of outputs) sits in the waiting queue, not in running.
             was_preempted = request.status == RequestStatus.PREEMPTED
+            error = None
             if new_token_ids:
                 new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
                 if not stopped and request.structured_output_request is not None:
-                    stopped = self._advance_grammar(request, new_token_ids)
+                    try:
+                        stopped = self._advance_grammar(request, new_token_ids)
+                    except Exception as e:  # noqa: BLE001 — one request's grammar, not the engine
+                        logger.exception("request %s: its grammar failed", req_id)
+                        request.status = RequestStatus.FINISHED_ABORTED
+                        stopped, error = True, f"structured output grammar failed: {e!r}"
             new_logprobs = None
             if logprobs is not None and new_token_ids and request.sampling_params.logprobs is not None:
                 new_logprobs = logprobs.slice(req_index, req_index + len(new_token_ids))
@@ -378,6 +384,7 @@ class Scheduler:
                         finish_reason=request.get_finished_reason(),
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                        error=error,
                     )
                 )
         if self.check_invariants:
