@@ -17,6 +17,8 @@ import warnings
 from dataclasses import dataclass, field
 
 _MIN_TEMPERATURE = 1e-2
+_INT32_MAX = 2**31 - 1
+_MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = 1e-6, 1e6
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,14 +139,17 @@ class SamplingParams:
             raise bad("presence_penalty", "in [-2, 2]", self.presence_penalty)
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty)
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
-            raise bad("repetition_penalty", "a finite number greater than 0", self.repetition_penalty)
+        # The sampler divides / multiplies float32 logits by it: kept where neither overflows.
+        if not (math.isfinite(self.repetition_penalty)
+                and _MIN_REPETITION_PENALTY <= self.repetition_penalty <= _MAX_REPETITION_PENALTY):
+            raise bad("repetition_penalty", f"greater than 0, in [{_MIN_REPETITION_PENALTY:g}, "
+                      f"{_MAX_REPETITION_PENALTY:g}]", self.repetition_penalty)
         if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0):
             raise bad("temperature", "in [0, 2]", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]", self.top_p)
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "-1, 0 (disabled) or a positive integer", self.top_k)
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= _INT32_MAX:  # the sampler's top_k is int32
+            raise bad("top_k", f"-1, 0 (disabled) or a positive integer up to {_INT32_MAX}", self.top_k)
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "in [0, 1]", self.min_p)
         if self.seed is not None and not isinstance(self.seed, int):

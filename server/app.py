@@ -17,8 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import jaxserve
 from jaxserve.engine.async_llm import AsyncLLM
 from server.errors import APIError, engine_dead, internal_error
-from server.limits import ServerLimits, install_limits
 from server.lifecycle import install_draining
+from server.limits import ServerLimits, install_limits
 from server.metrics import PrometheusStatLogger
 from server.protocol import (
     ChatCompletionRequest,
@@ -26,8 +26,7 @@ from server.protocol import (
     DetokenizeRequest,
     ModelCard,
     ModelList,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
+    TokenizeRequest,
 )
 from server.serving_chat import OpenAIServingChat
 from server.serving_completion import OpenAIServingCompletion
@@ -236,7 +235,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
         errors = exc.errors()
         param = None
         if errors:
-            loc = [x for x in errors[0].get("loc", ()) if isinstance(x, str) and x != "body"]
+            # The first field name (not "body", an index or a union member's tag).
+            loc = [x for x in errors[0].get("loc", ()) if isinstance(x, str) and x.isidentifier() and x != "body"]
             param = loc[0] if loc else None
         message = json.dumps([{"type": e.get("type"), "loc": list(e.get("loc", ())), "msg": e.get("msg")}
                               for e in errors], default=str)
@@ -294,7 +294,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
         return await generate("chat", serving_chat.create_chat_completion, request, raw_request)
 
     @app.post("/tokenize")
-    async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest):
+    async def tokenize(request: TokenizeRequest):
         return JSONResponse(serving_tokenization.create_tokenize(request).model_dump())
 
     @app.post("/detokenize")

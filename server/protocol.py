@@ -6,14 +6,37 @@ are absent rather than null; clients accept either.
 """
 from __future__ import annotations
 
+import math
+import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from server.limits import (
+    INT32_MAX,
+    MAX_JSON_DEPTH,
+    MAX_MESSAGES,
+    MAX_PROMPTS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOOLS,
+)
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def random_uuid() -> str:
@@ -22,6 +45,123 @@ def random_uuid() -> str:
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+def json_value_problem(value, max_depth: int = MAX_JSON_DEPTH) -> str | None:
+    """Why a request value cannot be served (None when it can): a string with a lone
+    surrogate (JSON's "\\ud800" escape decodes to one; it is not Unicode, tokenizers
+    reject it and no response holding it can be encoded), a number that is not finite
+    (Python's JSON reads NaN / Infinity) or an integer outside 64 bits, or containers
+    nested deeper than ``max_depth``. Request models inside the value check themselves."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii() and _SURROGATE.search(v):
+                return "contains a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not valid Unicode"
+        elif isinstance(v, bool) or v is None:
+            continue
+        elif isinstance(v, int):
+            if not _INT64_MIN <= v <= _INT64_MAX:
+                return "holds an integer outside the 64-bit range"
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                return f"holds {v!r}, which is not a finite number (NaN and Infinity are not JSON)"
+        elif isinstance(v, dict):
+            if depth >= max_depth:
+                return f"nests deeper than {max_depth} levels of objects and arrays"
+            for k, x in v.items():
+                stack.append((k, depth + 1))
+                stack.append((x, depth + 1))
+        elif isinstance(v, (list, tuple)):
+            if depth >= max_depth:
+                return f"nests deeper than {max_depth} levels of objects and arrays"
+            if v and all(type(x) is int for x in v):  # token ids (fast path)
+                if min(v) < _INT64_MIN or max(v) > _INT64_MAX:
+                    return "holds an integer outside the 64-bit range"
+                continue
+            stack.extend((x, depth + 1) for x in v)
+    return None
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body (or part of one): every field, and every unknown field, is
+    checked by ``json_value_problem`` (HTTP 400 naming the field). Bounds that need no
+    engine are in the field types (server/limits.py); ``json_schema_extra`` ranges
+    document in the OpenAPI schema what SamplingParams enforces."""
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _servable(cls, value, info: ValidationInfo):
+        problem = json_value_problem(value)
+        if problem is not None:
+            raise ValueError(f"{info.field_name} {problem}")
+        return value
+
+    @model_validator(mode="after")
+    def _servable_extra(self):
+        for key, value in (self.model_extra or {}).items():
+            problem = json_value_problem(key) or json_value_problem(value)
+            if problem is not None:
+                raise ValueError(f"unknown field {key!r} {problem}")
+        return self
+
+
+def _range(**bounds) -> dict[str, Any]:
+    """OpenAPI-only bounds (JSON Schema keywords) for a field whose range another
+    layer enforces (SamplingParams, the engine)."""
+    return {"json_schema_extra": bounds}
+
+
+# OpenAPI shapes of the free-form fields (validation stays with the serving code,
+# server/structured.py, which names the field in its 400s): clients and the fuzzer
+# (tests/server/test_fuzz_openapi.py) see what a served value looks like.
+_NULL = {"type": "null"}
+_OBJECT = {"type": "object"}
+_RESPONSE_FORMAT_SCHEMA = {"anyOf": [
+    {"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}, "required": ["type"]},
+    {"type": "object", "required": ["type", "json_schema"], "properties": {
+        "type": {"const": "json_schema"},
+        "json_schema": {"type": "object", "required": ["schema"], "properties": {
+            "name": {"type": "string"}, "description": {"type": "string"}, "schema": _OBJECT,
+            "strict": {"type": "boolean"}}}}},
+    _NULL]}
+_STRUCTURED_OUTPUTS_SCHEMA = {"anyOf": [
+    {"type": "object", "description": "exactly one of json, regex, choice, grammar, json_object", "properties": {
+        "json": {"anyOf": [_OBJECT, {"type": "string"}]}, "regex": {"type": "string", "minLength": 1},
+        "choice": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "grammar": {"type": "string", "minLength": 1}, "json_object": {"type": "boolean"},
+        "disable_any_whitespace": {"type": "boolean"}, "disable_additional_properties": {"type": "boolean"},
+        "whitespace_pattern": {"type": "string"}}},
+    _NULL]}
+_TOOLS_SCHEMA = {"anyOf": [
+    {"type": "array", "minItems": 1, "maxItems": MAX_TOOLS, "items": {
+        "type": "object", "required": ["type", "function"], "properties": {
+            "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+                "parameters": _OBJECT, "strict": {"type": "boolean"}}}}}},
+    _NULL]}
+_TOOL_CHOICE_SCHEMA = {"anyOf": [
+    {"enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}},
+    _NULL], "default": "none"}
+_CONTENT_SCHEMA = {"anyOf": [
+    {"type": "string"},
+    {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+        "type": {"const": "text"}, "text": {"type": "string"}}}},
+    _NULL]}
+_TOOL_CALLS_SCHEMA = {"anyOf": [
+    {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {
+        "id": {"type": "string"}, "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"}, "arguments": {"type": "string"}}}}}},
+    _NULL]}
+
+_StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+_TokenId = Annotated[int, Field(**_range(minimum=0, maximum=INT32_MAX))]
 
 
 # ----------------------------------------------------------------------------- errors
@@ -53,7 +193,7 @@ class ModelList(OpenAIBaseModel):
 
 
 # ----------------------------------------------------------------------------- shared
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
 
@@ -69,38 +209,39 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
-class _SamplingFields(OpenAIBaseModel):
+class _SamplingFields(RequestModel):
     """Fields completions and chat share (OpenAI's plus vLLM's extras)."""
 
     model: str | None = None
-    frequency_penalty: float | None = 0.0
-    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = Field(0.0, **_range(minimum=-2, maximum=2))
+    presence_penalty: float | None = Field(0.0, **_range(minimum=-2, maximum=2))
     logit_bias: dict[str, float] | None = None
-    n: int = 1
+    # At most the engine's max_num_seqs (checked by the serving code).
+    n: int = Field(1, **_range(minimum=1))
     seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
-    stop: str | list[str] | None = None
+    stop: _StopString | Annotated[list[_StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(None, **_range(minimum=0, maximum=2))
+    top_p: float | None = Field(None, **_range(exclusiveMinimum=0, maximum=1))
     user: str | None = None
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}} (server/structured.py)
-    response_format: dict[str, Any] | None = None
+    response_format: Annotated[dict[str, Any] | None, WithJsonSchema(_RESPONSE_FORMAT_SCHEMA)] = None
     # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, **_range(minimum=-1, maximum=INT32_MAX))
+    min_p: float | None = Field(None, **_range(minimum=0, maximum=1))
+    repetition_penalty: float | None = Field(None, **_range(minimum=1e-6, maximum=1e6))
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, **_range(minimum=0))
+    stop_token_ids: list[_TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(None, **_range(minimum=0))
     priority: int = 0
     cache_salt: str | None = None
     # Structured outputs (vLLM): a StructuredOutputsParams dict, or the older guided_* fields.
-    structured_outputs: dict[str, Any] | None = None
+    structured_outputs: Annotated[dict[str, Any] | None, WithJsonSchema(_STRUCTURED_OUTPUTS_SCHEMA)] = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -112,11 +253,12 @@ class _SamplingFields(OpenAIBaseModel):
 
 # ----------------------------------------------------------------------------- completions
 class CompletionRequest(_SamplingFields):
-    prompt: list[int] | list[list[int]] | str | list[str]
-    best_of: int | None = None
+    prompt: (list[_TokenId] | Annotated[list[list[_TokenId]], Field(max_length=MAX_PROMPTS)] | str
+             | Annotated[list[str], Field(max_length=MAX_PROMPTS)])
+    best_of: int | None = Field(None, **_range(minimum=1))  # only best_of == n is served
     echo: bool | None = False
-    logprobs: int | None = None
-    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, **_range(minimum=0))
+    max_tokens: int | None = Field(16, **_range(minimum=0))
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -168,26 +310,28 @@ class CompletionStreamResponse(OpenAIBaseModel):
 
 
 # ----------------------------------------------------------------------------- chat
-class ChatMessageParam(OpenAIBaseModel):
+class ChatMessageParam(RequestModel):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[str | list[dict[str, Any]] | None, WithJsonSchema(_CONTENT_SCHEMA)] = None
     name: str | None = None
     # An assistant turn that called tools, and the tool turns that answer it.
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: Annotated[list[dict[str, Any]] | None, WithJsonSchema(_TOOL_CALLS_SCHEMA)] = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessageParam]
+    messages: Annotated[list[ChatMessageParam], Field(max_length=MAX_MESSAGES)]
     logprobs: bool | None = False
-    top_logprobs: int | None = None
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    top_logprobs: int | None = Field(None, **_range(minimum=0))
+    # deprecated by OpenAI in favour of max_completion_tokens
+    max_tokens: int | None = Field(None, **_range(minimum=1))
+    max_completion_tokens: int | None = Field(None, **_range(minimum=1))
+    tools: Annotated[Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None,
+                     WithJsonSchema(_TOOLS_SCHEMA)] = None
     # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}; left out:
     # "auto" when tools are given, else "none" (server/structured.py resolve_tool_choice).
-    tool_choice: str | dict[str, Any] | None = "none"
+    tool_choice: Annotated[str | dict[str, Any] | None, WithJsonSchema(_TOOL_CHOICE_SCHEMA)] = "none"
     parallel_tool_calls: bool | None = True
     # vLLM extensions
     include_reasoning: bool = True
@@ -270,20 +414,33 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 
 
 # ----------------------------------------------------------------------------- tokenization
-class TokenizeCompletionRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(RequestModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(RequestModel):
     model: str | None = None
-    messages: list[ChatMessageParam]
+    messages: Annotated[list[ChatMessageParam], Field(max_length=MAX_MESSAGES)]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+def _tokenize_kind(value) -> str:
+    has_messages = "messages" in value if isinstance(value, dict) else hasattr(value, "messages")
+    return "tokenize-chat" if has_messages else "tokenize-prompt"
+
+
+# POST /tokenize's body: a chat (``messages``) or a prompt. The discriminator picks the
+# model, so a 400 names the field of that model (the tags, not identifiers, are no
+# field's name).
+TokenizeRequest = Annotated[
+    Annotated[TokenizeChatRequest, Tag("tokenize-chat")] | Annotated[TokenizeCompletionRequest, Tag("tokenize-prompt")],
+    Discriminator(_tokenize_kind)]
 
 
 class TokenizeResponse(OpenAIBaseModel):
@@ -293,9 +450,9 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[_TokenId]
 
 
 class DetokenizeResponse(OpenAIBaseModel):

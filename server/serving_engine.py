@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from server.errors import (
     error_event,
     guess_param,
 )
+from server.limits import ServerLimits
 from server.protocol import UsageInfo, random_uuid
 from server.structured import Constraint
 
@@ -30,14 +32,19 @@ MIN_LOGPROB = -9999.0
 
 
 def clamp_logprob(x: float) -> float:
-    return max(float(x), MIN_LOGPROB)
+    """A logprob JSON can carry: -inf (and NaN, from a row whose grammar allowed no
+    token) becomes MIN_LOGPROB."""
+    x = float(x)
+    if math.isnan(x):
+        return MIN_LOGPROB
+    return min(max(x, MIN_LOGPROB), 0.0) if math.isinf(x) else max(x, MIN_LOGPROB)
 
 
 class OpenAIServing:
     def __init__(self, engine_client: AsyncLLM, served_model_name: str, *, max_model_len: int,
                  enable_prompt_tokens_details: bool = False,
                  default_sampling_params: dict[str, Any] | None = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, limits: ServerLimits | None = None) -> None:
         self.engine_client = engine_client
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
@@ -47,6 +54,11 @@ class OpenAIServing:
         self.default_sampling_params = dict(default_sampling_params or {})
         # --chat-template: used when a request names none (else the tokenizer's own).
         self.chat_template = chat_template
+        self.limits = limits or ServerLimits()
+        # n (choices per prompt) is at most the engine's max_num_seqs: one request's
+        # choices never need more than a whole batch (vLLM: VLLM_MAX_N_SEQUENCES).
+        scheduler_config = getattr(getattr(engine_client, "config", None), "scheduler_config", None)
+        self.max_n: int | None = getattr(scheduler_config, "max_num_seqs", None)
 
     @property
     def tokenizer(self):
@@ -184,7 +196,12 @@ class OpenAIServing:
         return call
 
     def render_chat(self, request) -> str:
-        """Apply the chat template (HTTP 400 when the template rejects the conversation)."""
+        """Apply the chat template (HTTP 400 when the template rejects the conversation).
+        A request's own chat_template only with --trust-request-chat-template."""
+        if request.chat_template is not None and not self.limits.trust_request_chat_template:
+            raise bad_request("A chat_template was passed with the request, but the server does not run a client's "
+                              "template (start it with --trust-request-chat-template to allow that).",
+                              "chat_template")
         if not request.messages:
             raise bad_request("messages must not be empty.", "messages")
         if request.continue_final_message and request.add_generation_prompt:
@@ -224,6 +241,8 @@ class OpenAIServing:
             value = getattr(request, name)
             return value if value is not None else self.default_sampling_params.get(name, openai_default)
 
+        if self.max_n is not None and request.n > self.max_n:
+            raise bad_request(f"n must be at most {self.max_n} (the server's max_num_seqs), got {request.n}.", "n")
         try:
             return SamplingParams(
                 n=request.n,

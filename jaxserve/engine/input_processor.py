@@ -50,6 +50,9 @@ class InputProcessor:
             raise ValueError(f"prompt token id {lo} must be greater than or equal to 0")
         if hi >= self.vocab_size:
             raise ValueError(f"prompt token id {hi} is out of vocabulary (vocab size {self.vocab_size})")
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids: token id {bad_stop[0]} is out of vocabulary (vocab size {self.vocab_size})")
         if len(prompt_token_ids) > self.max_model_len:
             raise ValueError(
                 f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum model "

@@ -9,12 +9,15 @@ from jaxserve.sampling_params import SamplingParams
     ({"frequency_penalty": -2.1}, "frequency_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"repetition_penalty": 1e300}, "repetition_penalty"),  # inf as float32
+    ({"repetition_penalty": 1e-300}, "repetition_penalty"),  # 0 as float32
     ({"temperature": -0.1}, "temperature"),
     ({"temperature": 2.5}, "temperature"),
     ({"temperature": float("nan")}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.1}, "top_p"),
     ({"top_k": -2}, "top_k"),
+    ({"top_k": 2**31}, "top_k"),  # the sampler's top_k is int32
     ({"min_p": 1.5}, "min_p"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"min_tokens": -1}, "min_tokens"),

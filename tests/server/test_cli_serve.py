@@ -67,7 +67,9 @@ def test_run_serve_wiring(tiny_model_dir, monkeypatch):
             seen["unauthorized"] = c.get("/v1/models").status_code
             seen["completion"] = c.post("/v1/completions", headers={"Authorization": "Bearer k"},
                                         json={"prompt": "w5 w6", "max_tokens": 2, "temperature": 0}).json()
-            seen["tokenizer_info"] = c.get("/tokenizer_info").status_code
+            # The API key guards the tokenizer routes too (server/limits.py; vLLM leaves them open).
+            seen["tokenizer_info"] = (c.get("/tokenizer_info").status_code,
+                                      c.get("/tokenizer_info", headers={"Authorization": "Bearer k"}).status_code)
             seen["tools"] = c.post("/v1/chat/completions", headers={"Authorization": "Bearer k"}, json={
                 "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2,
                 "tools": [{"type": "function", "function": {"name": "f"}}]}).status_code
@@ -83,4 +85,4 @@ def test_run_serve_wiring(tiny_model_dir, monkeypatch):
     card = seen["models"]["data"][0]
     assert card["id"] == "tiny-cli" and card["max_model_len"] == 128
     assert seen["completion"]["usage"]["completion_tokens"] == 2
-    assert seen["tokenizer_info"] == 200 and seen["tools"] == 200  # tool_choice "auto" allowed by the flags
+    assert seen["tokenizer_info"] == (401, 200) and seen["tools"] == 200  # tool_choice "auto" allowed by the flags
