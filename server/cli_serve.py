@@ -16,6 +16,7 @@ import logging
 import sys
 
 from jaxserve.engine.arg_utils import EngineArgs
+from server.limits import add_limits_args, limits_from_args
 
 logger = logging.getLogger("jaxserve")
 
@@ -57,6 +58,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                              "(Qwen2.5 / Qwen3 / Hermes <tool_call> JSON), llama3_json (Llama 3.x JSON).")
     server.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                         help="Serve GET /tokenizer_info (the tokenizer's config and chat template).")
+    add_limits_args(server)
     server.add_argument("--max-num-waiting-requests", type=int, default=None,
                         help="Sequences that may wait beyond those running before requests get 503 + Retry-After "
                              "(default: one per KV cache block, at least 2 x max_num_seqs; 0: no bound).")
@@ -90,6 +92,7 @@ def run_serve(args: argparse.Namespace) -> None:
     logger.info("Engine ready in %.1f s (warm-up %.1f s)", async_llm.engine.startup_seconds,
                 async_llm.engine.warmup_seconds)
     app = build_app(async_llm, config.model_config.served_model_name, api_key=args.api_key,
+                    limits=limits_from_args(args),
                     max_model_len=config.scheduler_config.max_model_len,
                     enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                     disable_log_requests=args.disable_log_requests,
