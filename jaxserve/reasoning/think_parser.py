@@ -40,21 +40,18 @@ class ReasoningParser:
         """True when the last think tag in ``token_ids`` (prompt + output) closes the
         reasoning: the answer, and so any constraint, starts after it. A later <think>
         reopens it."""
-        for t in reversed(token_ids):
-            if t == self.end_token_id:
-                return True
-            if t == self.start_token_id:
-                return False
-        return False
+        return self._last_tag(token_ids) == self.end_token_id
 
     def prompt_opens_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
         """The prompt's last think tag is an open <think>: the output starts mid-reasoning."""
-        for t in reversed(prompt_token_ids):
-            if t == self.start_token_id:
-                return True
-            if t == self.end_token_id:
-                return False
-        return False
+        return self._last_tag(prompt_token_ids) == self.start_token_id
+
+    def _last_tag(self, token_ids: Sequence[int]) -> int | None:
+        """The last <think> or </think> id in ``token_ids`` (None when there is neither)."""
+        for t in reversed(token_ids):
+            if t == self.end_token_id or t == self.start_token_id:
+                return t
+        return None
 
     def extract_content_ids(self, token_ids: Sequence[int]) -> list[int]:
         """The output ids after the end tag ([] while reasoning)."""
