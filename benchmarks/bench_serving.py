@@ -43,6 +43,7 @@ class RequestResult:
     start: float = 0.0
     chunk_times: list[float] = field(default_factory=list)
     error: str = ""
+    status: int = 0  # the HTTP status (a 503 is the server refusing load, see --max-num-waiting-requests)
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -76,6 +77,7 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, prompt: 
     last = st
     try:
         async with client.stream("POST", url, json=body, headers={"x-request-id": request_id}) as r:
+            res.status = r.status_code
             if r.status_code != 200:
                 res.error = (await r.aread()).decode(errors="replace")[:500]
                 return res
@@ -165,7 +167,7 @@ async def benchmark(*, base_url: str, model: str | None = None, num_prompts: int
     ok = [r for r in results if r.success]
     failed = [r for r in results if not r.success]
     if verbose:
-        for r in failed[:5]:
+        for r in [r for r in failed if r.status != 503][:5]:
             print("failed request:", r.error, file=sys.stderr)
     out_lens = [r.output_tokens for r in ok]
     in_lens = [r.prompt_len for r in ok]
@@ -180,7 +182,8 @@ async def benchmark(*, base_url: str, model: str | None = None, num_prompts: int
             k = int(t - t0)
             buckets[k] = buckets.get(k, 0) + 1
     result = {
-        "completed": len(ok), "failed": len(failed), "max_concurrency": max_concurrency, "duration": duration,
+        "completed": len(ok), "failed": len(failed), "rejected_503": sum(r.status == 503 for r in failed),
+        "max_concurrency": max_concurrency, "duration": duration,
         "total_input_tokens": sum(in_lens), "total_output_tokens": sum(out_lens),
         "request_throughput": len(ok) / duration, "output_throughput": sum(out_lens) / duration,
         "total_token_throughput": (sum(in_lens) + sum(out_lens)) / duration,
@@ -224,6 +227,7 @@ def print_report(r: dict, *, backend_info: str = "") -> None:
     print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="))
     print("{:<40} {:<10}".format("Successful requests:", r["completed"]))
     print("{:<40} {:<10}".format("Failed requests:", r["failed"]))
+    print("{:<40} {:<10}".format("  of which refused (503):", r["rejected_503"]))
     if r["max_concurrency"]:
         print("{:<40} {:<10}".format("Maximum request concurrency:", r["max_concurrency"]))
     print("{:<40} {:<10.2f}".format("Benchmark duration (s):", r["duration"]))
@@ -246,6 +250,15 @@ def print_report(r: dict, *, backend_info: str = "") -> None:
 
 
 # ----------------------------------------------------------------------------- --launch
+def server_rss_mb(proc: subprocess.Popen | None) -> float:
+    """The launched server's resident memory (nan when not launched here)."""
+    try:
+        with open(f"/proc/{proc.pid}/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+    except (AttributeError, OSError, StopIteration):
+        return float("nan")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -300,6 +313,7 @@ def main(argv=None) -> None:
     try:
         nps = args.num_prompts if len(args.num_prompts) > 1 else args.num_prompts * len(args.max_concurrency)
         results = []
+        rss = [server_rss_mb(proc)]
         for conc, n in zip(args.max_concurrency, nps):
             r = asyncio.run(benchmark(base_url=base_url, model=None if args.launch else args.model,
                                       num_prompts=n, input_len=args.input_len, output_len=args.output_len,
@@ -307,13 +321,17 @@ def main(argv=None) -> None:
                                       num_warmups=args.num_warmups, verbose=True))
             print_report(r)
             results.append(r)
+            rss.append(server_rss_mb(proc))
         if len(results) > 1:
-            print("\n| concurrency | prompts | TTFT mean/median/p99 (ms) | TPOT mean/median/p99 (ms) | output tok/s |")
-            print("|---|---|---|---|---|")
-            for r, n in zip(results, nps):
+            print("\n| concurrency | prompts | TTFT mean/median/p99 (ms) | TPOT mean/median/p99 (ms) | output tok/s "
+                  "| req/s | 503s | other failures | server RSS after (MiB) |")
+            print("|---|---|---|---|---|---|---|---|---|")
+            for r, n, mb in zip(results, nps, rss[1:]):
                 print(f"| {r['max_concurrency']} | {n} | {r['mean_ttft_ms']:.1f} / {r['median_ttft_ms']:.1f} / "
                       f"{r['p99_ttft_ms']:.1f} | {r['mean_tpot_ms']:.1f} / {r['median_tpot_ms']:.1f} / "
-                      f"{r['p99_tpot_ms']:.1f} | {r['output_throughput']:.1f} |")
+                      f"{r['p99_tpot_ms']:.1f} | {r['output_throughput']:.1f} | {r['request_throughput']:.2f} "
+                      f"| {r['rejected_503']} | {r['failed'] - r['rejected_503']} | {mb:.0f} |")
+            print(f"server RSS before the runs: {rss[0]:.0f} MiB")
         if args.save_result:
             Path(args.save_result).write_text(json.dumps(results, indent=1))
     finally:

@@ -43,9 +43,12 @@ class RequestFailedError(RuntimeError):
     """The engine failed one request (its detokenizing, its grammar ...) and went on
     serving the others; the request has ended."""
 
-    def __init__(self, request_id: str, message: str) -> None:
+    def __init__(self, request_id: str, message: str, client_error: bool = False) -> None:
         super().__init__(f"request {request_id} failed: {message}")
         self.request_id = request_id
+        # The request itself was at fault (a grammar that validates but cannot be
+        # compiled): a server answers 400, not 500.
+        self.client_error = client_error
 
 
 @dataclass(slots=True)
@@ -60,6 +63,7 @@ class EngineCoreOutput:
     # Set when the engine failed this request alone (its grammar broke, ...): the
     # request has ended (finish_reason abort) and its caller gets this error.
     error: str | None = None
+    error_is_client: bool = False  # the request's own fault (see RequestFailedError.client_error)
 
     @property
     def finished(self) -> bool:

@@ -68,6 +68,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     server.add_argument("--engine-iteration-timeout", type=float, default=300.0,
                         help="A step running longer kills the engine: requests fail, the server exits 1 "
                              "(default: %(default)s s; 0: never).")
+    server.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                        help="Seconds an idle keep-alive connection stays open (vLLM's default: %(default)s). A client "
+                             "that reuses one just as the server closes it sees a connection error; under heavy "
+                             "load (a slow event loop) that grows likelier, and a longer timeout avoids it.")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=run_serve)
@@ -101,7 +105,7 @@ def run_serve(args: argparse.Namespace) -> None:
                     chat_template=args.chat_template,
                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
     code = serve(app, async_llm, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                 shutdown_timeout=args.shutdown_timeout)
+                 shutdown_timeout=args.shutdown_timeout, timeout_keep_alive=args.timeout_keep_alive)
     if code:
         raise SystemExit(code)
 

@@ -8,6 +8,7 @@ from http import HTTPStatus
 from fastapi.responses import JSONResponse
 
 from jaxserve.engine.async_llm import EngineDeadError, EngineOverloadedError, EngineStepError, StreamOverflowError
+from jaxserve.outputs import RequestFailedError
 from server.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {
@@ -60,6 +61,8 @@ def engine_error(e: BaseException) -> APIError:
         return APIError(str(e), 503, headers={"Retry-After": str(e.retry_after)})
     if isinstance(e, EngineStepError):  # a step failed under this request: the error, then the engine is dead
         return APIError(f"Internal server error: {e}", 500)
+    if isinstance(e, RequestFailedError) and e.client_error:  # e.g. a grammar that validates but cannot compile
+        return bad_request(str(e))
     if isinstance(e, StreamOverflowError):
         return APIError(str(e), 408)
     if isinstance(e, EngineDeadError):

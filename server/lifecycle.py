@@ -37,7 +37,8 @@ def install_draining(app: FastAPI) -> None:
 
 
 def serve(app: FastAPI, async_llm, *, host: str, port: int, log_level: str = "info",
-          shutdown_timeout: float = 30.0, engine_check_period: float = ENGINE_CHECK_PERIOD_S) -> int:
+          shutdown_timeout: float = 30.0, timeout_keep_alive: float = 5.0,
+          engine_check_period: float = ENGINE_CHECK_PERIOD_S) -> int:
     """Run uvicorn until SIGTERM / SIGINT (exit code 0) or the engine's death (1)."""
     import uvicorn
 
@@ -53,7 +54,7 @@ def serve(app: FastAPI, async_llm, *, host: str, port: int, log_level: str = "in
             if sig == signal.SIGTERM and captured:
                 captured[:] = [s for s in captured if s != signal.SIGTERM]
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5,
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=timeout_keep_alive,
                             timeout_graceful_shutdown=shutdown_timeout)
     server = Server(config)
     exit_code = 0

@@ -200,6 +200,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_engine()
         self.check_stream_options(request)
         self.check_unsupported(request)
+        # Before the chat template and tokenizing: under overload a 503 should cost little.
+        self.check_capacity(request.n or 1)
         _, ids, params, mode = self._prepare(request)
         self.check_capacity(params.n)
         shaper = self.output_shaper(mode)
@@ -210,7 +212,7 @@ class OpenAIServingChat(OpenAIServing):
         merged = merge_async_iterators(gen)
         if request.stream:
             chunks = self._stream(request, request_id, created, ids, merged, shaper)
-            return sse_stream("chat", request_id, chunks, merged)
+            return await sse_stream("chat", request_id, chunks, merged)
         return await self._full(request, request_id, created, ids, merged, shaper)
 
     # ------------------------------------------------------------------ logprobs

@@ -95,8 +95,9 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request("suffix is not currently supported", "suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise bad_request("best_of is not supported; use n.", "best_of")
+        self.check_capacity(request.n or 1)  # before tokenizing: under overload a 503 should cost little
         inputs = self._prepare(request)
-        self.check_capacity(sum(inp.params.n for inp in inputs))
+        self.check_capacity(sum(inp.params.n for inp in inputs), "prompt" if len(inputs) > 1 else "n")
         request_id, engine_id = self.request_ids("cmpl", request, raw_request)
         created = int(time.time())
         generators = [
@@ -107,7 +108,7 @@ class OpenAIServingCompletion(OpenAIServing):
         merged = merge_async_iterators(*generators)
         if request.stream:
             chunks = self._stream(request, request_id, created, inputs, merged)
-            return sse_stream("completion", request_id, chunks, merged)
+            return await sse_stream("completion", request_id, chunks, merged)
         return await self._full(request, request_id, created, inputs, merged)
 
     # ------------------------------------------------------------------ logprobs

@@ -73,11 +73,13 @@ class OpenAIServing:
         if self.engine_client.errored:
             raise engine_dead("The engine is dead; restart the server.")
 
-    def check_capacity(self, num_seqs: int) -> None:
+    def check_capacity(self, num_seqs: int, param: str = "n") -> None:
         """503 with Retry-After when the engine has more waiting than it accepts (before
         a stream starts, so a streaming client gets the status too)."""
         try:
             self.engine_client.check_capacity(num_seqs)
+        except ValueError as e:  # more sequences than the server ever takes at once
+            raise bad_request(str(e), param) from e
         except Exception as e:  # noqa: BLE001 — EngineOverloadedError; mapped like any engine error
             raise engine_error(e) from e
 
@@ -321,13 +323,34 @@ async def collect_outputs(merged: AsyncGenerator[tuple[int, RequestOutput], None
 
 async def sse_stream(kind: str, request_id: str, chunks: AsyncGenerator[str, None],
                      merged: AsyncGenerator[tuple[int, RequestOutput], None]) -> AsyncIterator[str]:
-    """A streaming response: the SSE ``chunks``, then ``data: [DONE]``. The status (200)
-    has gone out with the first chunk, so a failure is reported as an error event in the
-    stream; ``merged`` (what ``chunks`` reads) is closed in any case, aborting what is
-    still running."""
+    """A streaming response: the SSE ``chunks``, then ``data: [DONE]``.
+
+    The first chunk (it comes with the first engine output) is awaited here, before the
+    status goes out, so a failure until then has its own status: a request refused as
+    overloaded when it registers (another took the last place after check_capacity), a
+    grammar that does not compile, a dead engine. After that the status (200) has gone
+    out, and a failure is reported as an error event in the stream. ``merged`` (what
+    ``chunks`` reads) is closed in any case, aborting what is still running."""
+    started = False
     try:
-        async for chunk in chunks:
-            yield chunk
+        first = await anext(chunks, None)
+        started = True
+    except Exception as e:
+        raise engine_error(e) from e
+    finally:
+        if not started:  # failed or cancelled (the client went away): abort the requests
+            await chunks.aclose()
+            await merged.aclose()
+    return _sse_events(kind, request_id, first, chunks, merged)
+
+
+async def _sse_events(kind: str, request_id: str, first: str | None, chunks: AsyncGenerator[str, None],
+                      merged: AsyncGenerator[tuple[int, RequestOutput], None]) -> AsyncIterator[str]:
+    try:
+        if first is not None:
+            yield first
+            async for chunk in chunks:
+                yield chunk
     except Exception as e:  # noqa: BLE001
         logger.warning("%s stream %s failed: %r", kind, request_id, e)
         yield error_event(e)

@@ -221,8 +221,12 @@ class AsyncLLM:
     def check_capacity(self, num_seqs: int) -> None:
         """EngineOverloadedError if ``num_seqs`` more sequences would exceed the bound on
         requests in flight (checked again when a request registers; this lets a server
-        answer 503 before a stream starts)."""
+        answer 503 before a stream starts). ValueError if ``num_seqs`` alone is more than
+        the engine ever takes at once: retrying could never help, so it is a client error."""
         limit = self.max_in_flight
+        if limit is not None and num_seqs > limit:
+            raise ValueError(f"the request asks for {num_seqs} sequences (prompts x n); this server takes at most "
+                             f"{limit} at once: split the request")
         if limit is not None and self._in_flight + num_seqs > limit:
             raise EngineOverloadedError(
                 f"the server is overloaded: {self._in_flight} sequences in flight, at most {limit} "

@@ -113,7 +113,7 @@ class OutputProcessor:
                 continue
             try:
                 if eco.error is not None:
-                    raise RequestFailedError(st.external_id, eco.error)
+                    raise RequestFailedError(st.external_id, eco.error, eco.error_is_client)
                 self._process_one(st, eco, now, outputs, reqs_to_abort)
             except Exception as e:  # noqa: BLE001 — fail this request, keep serving the rest
                 logger.exception("request %s failed while its output was processed", eco.request_id)

@@ -22,7 +22,10 @@ class RunningServer:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=5))
+        # Keep-alive 60 s, not uvicorn's 5: in the soak at 512 clients (client, server and
+        # engine in one process, one GIL) the loop lags by seconds, and httpx reused a
+        # connection the server was closing as idle (ReadError; none with 60 s).
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=60))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -32,9 +32,10 @@ def srv(tiny_async_llm):
     s.stop()
 
 
-def blocks_all_free(llm) -> bool:
-    pools = [s.kv_cache_manager for s in llm.engine.engine_core.schedulers]
-    return (not llm.engine.has_unfinished_requests()
+def blocks_all_free(engine) -> bool:
+    """``engine`` (an LLMEngine) holds no request and every KV block is free."""
+    pools = [s.kv_cache_manager for s in engine.engine_core.schedulers]
+    return (not engine.has_unfinished_requests()
             and all(m.block_pool.get_num_free_blocks() == m.block_pool.num_gpu_blocks - 1 for m in pools))
 
 
@@ -59,7 +60,7 @@ def test_overload_gets_503_with_retry_after(tiny_async_llm, srv, monkeypatch):
             assert r.json()["error"]["type"] == "ServiceUnavailableError"
             assert "overloaded" in r.json()["error"]["message"]
     assert time.monotonic() - t0 < 60
-    assert wait_until(lambda: blocks_all_free(llm))
+    assert wait_until(lambda: blocks_all_free(llm.engine))
 
 
 def test_a_failing_request_fails_alone(tiny_async_llm, srv):
@@ -86,7 +87,44 @@ def test_a_failing_request_fails_alone(tiny_async_llm, srv):
         assert victim.status_code == 500 and f"detokenizing token {bad}" in victim.json()["error"]["message"]
         assert other.status_code == 200 and other.json()["choices"][0]["text"] == alone[1]
         assert http.get("/health").status_code == 200 and not llm.errored
-    assert wait_until(lambda: blocks_all_free(llm))
+    assert wait_until(lambda: blocks_all_free(llm.engine))
+
+
+def test_more_sequences_than_ever_admitted_is_400(tiny_async_llm, srv, monkeypatch):
+    """A batch that could never fit, however long the client waits, is the client's
+    error (400 naming the field), not a 503 to retry."""
+    monkeypatch.setattr(tiny_async_llm, "max_in_flight", 4)
+    with httpx.Client(base_url=srv.url, timeout=60) as http:
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": ["w5"] * 5, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "at most 4" in r.json()["error"]["message"]
+        r = http.post("/v1/chat/completions", json={"model": "tiny", "n": 5, "max_tokens": 2,
+                                                    "messages": [{"role": "user", "content": "w5"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        ok = http.post("/v1/completions", json={"model": "tiny", "prompt": ["w5"] * 4, "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+
+
+def test_a_grammar_that_fails_to_compile_is_400(tiny_async_llm, srv, monkeypatch):
+    """A constraint that validates but whose compile fails (on the worker thread, after
+    the request queued) ends that request with a 400; the engine serves on."""
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    manager = tiny_async_llm.engine.engine_core.structured_output_manager
+    backend = manager.backend_for(StructuredOutputsParams(regex="w[0-9]+"))
+
+    def broken(params):
+        raise RuntimeError("compiler ran out of states")
+
+    monkeypatch.setattr(backend, "compile_grammar", broken)
+    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 4, "guided_regex": "w[0-9]+"}
+    with httpx.Client(base_url=srv.url, timeout=60) as http:
+        for stream in (False, True):
+            r = http.post("/v1/completions", json={**body, "stream": stream})
+            # A stream too: its status waits for the first output, so the failure before it is the status.
+            assert r.status_code == 400 and "failed to compile" in r.json()["error"]["message"], r.text
+        assert http.post("/v1/completions", json={**body, "guided_regex": None}).status_code == 200
+    assert wait_until(lambda: blocks_all_free(tiny_async_llm.engine))
 
 
 def test_a_stalled_reader_is_aborted(tiny_async_llm, monkeypatch):
@@ -106,7 +144,7 @@ def test_a_stalled_reader_is_aborted(tiny_async_llm, monkeypatch):
         return ok
 
     assert asyncio.run(run())
-    assert wait_until(lambda: blocks_all_free(llm))
+    assert wait_until(lambda: blocks_all_free(llm.engine))
 
 
 # ----------------------------------------------------------------------------- subprocesses
@@ -181,3 +219,24 @@ def test_hung_step_fails_requests_and_exits_1(tiny_model_dir, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_offline_engine_recovers_from_a_failed_step(tiny_model_dir):
+    """Offline (LLM.generate) a step that raises ends that call with the error; its
+    requests are aborted and the same engine serves the next call, every block free."""
+    from jaxserve import LLM
+    from jaxserve.engine.fault_injection import InjectedFault
+
+    llm = LLM(model=str(tiny_model_dir), **TINY_ENGINE_ARGS)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = ["w5 w6", "w7 w8 w9", "w300"]
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    engine = llm.llm_engine
+    engine.fault_injector = FaultInjector(raise_at_step=engine.engine_core.num_steps + 3)  # mid-decode
+    with pytest.raises(InjectedFault):
+        llm.generate(prompts, params)
+    engine.fault_injector = None
+    # Nothing left to run (the aborted ids wait to be told to the runner with the next step).
+    assert not engine.output_processor.has_unfinished_requests() and not engine.scheduler.has_unfinished_requests()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == before
+    assert blocks_all_free(engine)

@@ -1,7 +1,8 @@
 """Soak (issue 14): many requests of every kind through the real server; afterwards
 every KV block is free, nothing is left in flight and memory has not grown beyond a
-bound. CI runs a few hundred requests; JAXSERVE_SOAK_REQUESTS=5000 is the long run.
-Prints: requests served, 503s, p50 / p99 latency, RSS before / after, free blocks."""
+bound. CI runs a few hundred requests; JAXSERVE_SOAK_REQUESTS=5000 is the long run,
+JAXSERVE_SOAK_CONCURRENCY sets the clients, JAXSERVE_SOAK_MAX_WAITING the engine's
+max_num_waiting_requests (the load at which 503s start). Prints: requests served, 503s, p50 / p99 latency, RSS before / after, free blocks."""
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,12 @@ def rss_mb() -> float:
     return float("nan")
 
 
-def test_soak(tiny_async_llm):
+def test_soak(tiny_async_llm, monkeypatch):
     llm = tiny_async_llm
+    if "JAXSERVE_SOAK_MAX_WAITING" in os.environ:
+        waiting = int(os.environ["JAXSERVE_SOAK_MAX_WAITING"])
+        monkeypatch.setattr(llm, "max_in_flight", llm.max_in_flight - llm.max_num_waiting_requests + waiting)
+        monkeypatch.setattr(llm, "max_num_waiting_requests", waiting)
     total = int(os.environ.get("JAXSERVE_SOAK_REQUESTS", "300"))
     concurrency = int(os.environ.get("JAXSERVE_SOAK_CONCURRENCY", "48"))
     srv = RunningServer(build_app(llm, "tiny"))
@@ -98,7 +103,7 @@ def test_soak(tiny_async_llm):
     pool = llm.engine.engine_core.scheduler.kv_cache_manager.block_pool
     free, usable = pool.get_num_free_blocks(), pool.num_gpu_blocks - 1
     lat = sorted(latencies)
-    print(f"\nsoak: {total} requests at concurrency {concurrency} in {elapsed:.1f} s ({total / elapsed:.1f} req/s); "
+    print(f"\nsoak: at most {llm.max_in_flight} sequences in flight; {total} requests at concurrency {concurrency} in {elapsed:.1f} s ({total / elapsed:.1f} req/s); "
           f"status counts {dict(sorted(statuses.items()))}; {aborted} client disconnects; "
           f"latency p50 {lat[len(lat) // 2]:.2f} s p99 {lat[int(len(lat) * 0.99) - 1]:.2f} s; "
           f"RSS {before:.0f} -> {after:.0f} MiB; free blocks {free}/{usable}")

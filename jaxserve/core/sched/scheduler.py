@@ -251,7 +251,7 @@ class Scheduler:
             self._free_request(request)
             self._pending_outputs.append(EngineCoreOutput(
                 request_id=request.request_id, new_token_ids=[], finish_reason=request.get_finished_reason(),
-                error=f"structured output grammar failed to compile: {so.error!r}"))
+                error=f"structured output grammar failed to compile: {so.error!r}", error_is_client=True))
             return False
         request.status = RequestStatus.WAITING
         return True
