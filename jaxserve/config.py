@@ -164,6 +164,75 @@ class StructuredOutputsConfig:
                                  f"got {self.reasoning_parser!r}")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``): a proposer guesses up to
+    ``num_speculative_tokens`` next tokens per request, the target model scores them all
+    in one step, and exact verification (greedy identity, rejection sampling) keeps the
+    accepted prefix plus one token of its own.
+
+    method "ngram": the guesses continue the longest earlier match (between
+    ``prompt_lookup_min`` and ``prompt_lookup_max`` tokens) of the context's suffix.
+    method "draft_model": a smaller ``model`` with the same tokenizer proposes them.
+    ``disable_by_batch_size``: no speculation while more requests than this run (vLLM's
+    ``disable_by_batch_size``). ``min_acceptance``: a request whose drafts were accepted
+    less than this fraction of the time (over its last ``acceptance_window`` draft
+    tokens) stops drafting: verification would cost more than it saves."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+    min_acceptance: float = 0.0
+    acceptance_window: int = 32
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}; "
+                             f"got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("speculative_config.num_speculative_tokens must be an integer in [1, 16], got "
+                             f"{self.num_speculative_tokens!r}")
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            # vLLM's defaults: both 5 when neither is set, else the one given for both.
+            lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 64):
+                raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, got "
+                                 f"{lo!r} and {hi!r}")
+        elif not self.model:
+            raise ValueError('speculative_config.model (the draft model folder) is required with method "draft_model"')
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"speculative_config.disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+        if not 0.0 <= self.min_acceptance < 1.0:
+            raise ValueError(f"speculative_config.min_acceptance must be in [0, 1), got {self.min_acceptance}")
+        if self.acceptance_window < 1:
+            raise ValueError(f"speculative_config.acceptance_window must be >= 1, got {self.acceptance_window}")
+
+    @classmethod
+    def from_dict(cls, value: "dict[str, Any] | SpeculativeConfig") -> "SpeculativeConfig":
+        """From vLLM's dict (unknown keys are a ValueError naming them)."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in value:
+                raise ValueError(f"speculative_config.{key} is required")
+        return cls(**value)
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -171,6 +240,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative_config: SpeculativeConfig | None = None
     # Padded sizes the runner compiles for; None: powers of two from the floor up to the max.
     token_buckets: tuple[int, ...] | None = None
     request_buckets: tuple[int, ...] | None = None

@@ -33,6 +33,12 @@ class LLM:
         self.tokenizer = self.llm_engine.tokenizer
         self._counter = 0
 
+    def get_metrics(self) -> dict:
+        """Engine counters since start: ``spec_decode`` = {num_drafts, num_draft_tokens,
+        num_accepted_tokens, acceptance_rate, mean_acceptance_length,
+        acceptance_rate_per_pos} with speculative decoding; num_steps; num_preemptions."""
+        return self.llm_engine.get_metrics()
+
     def get_tokenizer(self):
         return self.tokenizer
 

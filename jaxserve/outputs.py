@@ -31,9 +31,14 @@ class ModelRunnerOutput:
     # One list per request in req_ids: the tokens sampled this step ([] for a request
     # still in the middle of its prefill).
     sampled_token_ids: list[list[int]]
-    logprobs: LogprobsLists | None = None  # rows indexed like req_ids
+    # The j-th new token of request req_ids[i] has row i * logprobs_stride + j
+    # (logprobs_stride = 1 + the most draft tokens a request verifies; 1 without speculation).
+    logprobs: LogprobsLists | None = None
     # Prompt logprobs computed this step, per request (only requests that asked).
     prompt_logprobs_dict: dict[str, LogprobsLists] = field(default_factory=dict)
+    logprobs_stride: int = 1
+    # Speculative decoding: the proposer's next drafts, by request (those that have some).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], {}, [])

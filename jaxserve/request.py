@@ -60,6 +60,7 @@ class Request:
         "priority", "cache_salt", "status", "stop_reason", "num_computed_tokens",
         "num_cached_tokens", "num_preemptions", "max_tokens", "block_hashes",
         "_all_token_ids", "_output_token_ids", "_block_hasher", "structured_output_request",
+        "spec_token_ids", "num_spec_drafted", "num_spec_accepted", "spec_disabled",
     )
 
     def __init__(
@@ -98,6 +99,13 @@ class Request:
         self.update_block_hashes()
         # Set by the StructuredOutputManager for a constrained request.
         self.structured_output_request = None
+        # Speculative decoding: the proposer's guesses for the next step (never part of
+        # all_token_ids: they are unverified), and how this request's drafts fared
+        # (decayed counts, for switching speculation off where it does not pay).
+        self.spec_token_ids: list[int] = []
+        self.num_spec_drafted = 0.0
+        self.num_spec_accepted = 0.0
+        self.spec_disabled = False
 
     # --- tokens -----------------------------------------------------------------------
     @property

@@ -94,6 +94,16 @@ class PrometheusStatLogger:
         self.gauge_rank_kv_usage = Gauge("jaxserve:dp_rank_kv_cache_usage_perc",
                                          "KV-cache usage per data-parallel rank. 1 means 100 percent usage.",
                                          rank_lbl, registry=r)
+        # Speculative decoding (vLLM's names); per position: drafts whose token i held.
+        self.counter_spec_drafts = Counter("jaxserve:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                                           lbl, registry=r).labels(model_name)
+        self.counter_spec_draft_tokens = Counter("jaxserve:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                                                 lbl, registry=r).labels(model_name)
+        self.counter_spec_accepted = Counter("jaxserve:spec_decode_num_accepted_tokens",
+                                             "Number of accepted tokens.", lbl, registry=r).labels(model_name)
+        self.counter_spec_accepted_per_pos = Counter(
+            "jaxserve:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+            lbl + ["position"], registry=r)
         self._last_queries = self._last_hits = self._last_preemptions = 0
 
     def record(self, s: EngineStats, it: IterationStats | None) -> None:
@@ -110,6 +120,13 @@ class PrometheusStatLogger:
             self._last_preemptions = s.num_preemptions
         if it is None:
             return
+        if it.spec_decoding is not None and it.spec_decoding.num_drafts:
+            sd = it.spec_decoding
+            self.counter_spec_drafts.inc(sd.num_drafts)
+            self.counter_spec_draft_tokens.inc(sd.num_draft_tokens)
+            self.counter_spec_accepted.inc(sd.num_accepted_tokens)
+            for pos, n in enumerate(sd.num_accepted_tokens_per_pos):
+                self.counter_spec_accepted_per_pos.labels(self._model_name, str(pos)).inc(n)
         if it.num_prompt_tokens:
             self.counter_prompt_tokens.inc(it.num_prompt_tokens)
         if it.num_generation_tokens:

@@ -119,6 +119,23 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(blocks))
         self.num_cached_block.pop(request.request_id, None)
 
+    def free_tail(self, request, num_tokens: int) -> None:
+        """Give back the request's blocks past those that ``num_tokens`` tokens need
+        (speculative decoding: blocks held only for draft tokens that were rejected).
+        The runner's block table follows: it keeps cdiv(num_computed_tokens, block_size)
+        blocks of a request before appending the next step's."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        if self.enable_caching:
+            self.block_pool.uncache_blocks(tail)
+        self.block_pool.free_blocks(reversed(tail))
+        if self.num_cached_block.get(request.request_id, 0) > keep:
+            self.num_cached_block[request.request_id] = keep
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 

@@ -29,6 +29,7 @@ from jaxserve.config import (
     ParallelConfig,
     STRUCTURED_OUTPUTS_BACKENDS,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
 )
 from jaxserve.core.sched.request_queue import SchedulingPolicy
@@ -120,6 +121,11 @@ class EngineArgs:
     reasoning_parser: str | None = field(default=None, metadata=_arg(
         "The model's reasoning format: output up to </think> is reasoning_content, and a constraint applies "
         "after it.", choices=_reasoning_parsers))
+    # ------------------------------------------------------------------ speculative decoding
+    speculative_config: dict[str, Any] | None = field(default=None, metadata=_arg(
+        'Speculative decoding, vLLM\'s keys as a JSON object: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": DIR, '
+        '"num_speculative_tokens": 4}\'.'))
     # ------------------------------------------------------------------ compilation
     enforce_eager: bool = field(default=False, metadata=_arg("Skip the start-up warm-up (compile on demand)."))
     token_buckets: list[int] | None = field(default=None, metadata=_arg(
@@ -210,6 +216,8 @@ class EngineArgs:
                 num_processes=self.num_processes, process_id=self.process_id),
             structured_outputs_config=StructuredOutputsConfig(
                 backend=self.structured_outputs_backend, reasoning_parser=self.reasoning_parser),
+            speculative_config=(SpeculativeConfig.from_dict(self.speculative_config)
+                                if self.speculative_config is not None else None),
             enforce_eager=self.enforce_eager,
             token_buckets=tuple(self.token_buckets) if self.token_buckets else None,
             request_buckets=tuple(self.request_buckets) if self.request_buckets else None,

@@ -528,6 +528,7 @@ class AsyncLLM:
         s = combine_stats(per_rank)
         pcs = s.prefix_cache_stats
         self._prefix_metrics.observe(pcs)
+        iteration.spec_decoding = s.spec_decoding_stats
         self._prefix_queries += pcs.queries
         self._prefix_hits += pcs.hits
         self._stats = EngineStats(

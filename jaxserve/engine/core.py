@@ -23,7 +23,7 @@ import jax
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import PrefixCacheStats
 from jaxserve.core.sched.dp_balancer import choose_rank
-from jaxserve.core.sched.scheduler import Scheduler, SchedulerStats
+from jaxserve.core.sched.scheduler import Scheduler, SchedulerStats, SpecDecodingStats
 from jaxserve.engine.fault_injection import FaultInjector
 from jaxserve.engine.multihost import StepChannel, initialize_distributed, is_leader, is_multihost, run_follower
 from jaxserve.outputs import EngineCoreOutput
@@ -65,7 +65,8 @@ class EngineCore:
                 raise SystemExit(0)
             atexit.register(self.shutdown)
         self.schedulers = [
-            Scheduler(config.scheduler_config, config.cache_config, self.model_runner.num_blocks)
+            Scheduler(config.scheduler_config, config.cache_config, self.model_runner.num_blocks,
+                      speculative_config=config.speculative_config)
             for _ in range(pc.data_parallel_size)
         ]
         self.num_steps = 0  # steps that ran the model
@@ -126,6 +127,16 @@ class EngineCore:
         """All ranks together: counts summed, KV usage the mean (ranks are equal size)."""
         return combine_stats(self.make_rank_stats())
 
+    def spec_decoding_totals(self) -> SpecDecodingStats | None:
+        """Speculative decoding counters since start, all ranks together (None without it)."""
+        if self.config.speculative_config is None:
+            return None
+        total = dataclasses.replace(self.schedulers[0].spec_stats_total, num_accepted_tokens_per_pos=list(
+            self.schedulers[0].spec_stats_total.num_accepted_tokens_per_pos))
+        for s in self.schedulers[1:]:
+            total.add(s.spec_stats_total)
+        return total
+
     def step(self) -> list[EngineCoreOutput]:
         outputs = [s.schedule() for s in self.schedulers]
         # Requests that ended inside schedule() (a grammar that failed to compile).
@@ -149,7 +160,13 @@ def combine_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     counters = {f.name: sum(getattr(s.prefix_cache_stats, f.name) for s in stats)
                 for f in dataclasses.fields(PrefixCacheStats) if f.name != "reset"}
     pcs = PrefixCacheStats(**counters, reset=any(s.prefix_cache_stats.reset for s in stats))
+    spec = None
+    if stats[0].spec_decoding_stats is not None:
+        spec = dataclasses.replace(stats[0].spec_decoding_stats, num_accepted_tokens_per_pos=list(
+            stats[0].spec_decoding_stats.num_accepted_tokens_per_pos))
+        for s in stats[1:]:
+            spec.add(s.spec_decoding_stats)
     return SchedulerStats(
         num_running_reqs=sum(s.num_running_reqs for s in stats), num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
         kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats), prefix_cache_stats=pcs,
-        num_preemptions=sum(s.num_preemptions for s in stats))
+        num_preemptions=sum(s.num_preemptions for s in stats), spec_decoding_stats=spec)

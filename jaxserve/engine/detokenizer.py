@@ -20,6 +20,10 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
         self.output_text = ""
         self.num_output_tokens = 0
+        # Tokens of the last update() up to the one that completed a stop string (all of
+        # them when none did): a step may bring several (speculative decoding), and those
+        # after the stop string are not part of the output.
+        self.num_tokens_used = 0
         self._prime(prompt_token_ids)
 
     def _prime(self, prompt_token_ids: list[int]) -> None:
@@ -32,6 +36,7 @@ class IncrementalDetokenizer:
         """Append tokens; returns the stop string matched, if any (then the text is cut).
         ``stop_terminated``: the last token is a stop token / EOS whose text must not show
         (unless include_stop_str_in_output)."""
+        self.num_tokens_used = len(new_token_ids)
         if not self.detokenize:
             self.num_output_tokens += len(new_token_ids)
             return None
@@ -47,6 +52,7 @@ class IncrementalDetokenizer:
             if self.stop and self.num_output_tokens >= self.min_tokens:
                 hit = self._check_stop(prev_len)
                 if hit is not None:
+                    self.num_tokens_used = i + 1
                     return hit
         return None
 

@@ -89,6 +89,16 @@ class LLMEngine:
     def num_compiled_programs(self) -> int:
         return self.model_runner.num_compiled_programs
 
+    def get_metrics(self) -> dict:
+        """Counters since start for offline use: ``spec_decode`` (SpecDecodingStats.summary())
+        when speculative decoding is on, ``num_steps``, ``num_preemptions``."""
+        core = self.engine_core
+        out = {"num_steps": core.num_steps, "num_preemptions": sum(s.num_preemptions for s in core.schedulers)}
+        spec = core.spec_decoding_totals()
+        if spec is not None:
+            out["spec_decode"] = spec.summary()
+        return out
+
     def make_stats(self) -> SchedulerStats:
         """The schedulers' stats snapshot (all data-parallel ranks together)."""
         return self.engine_core.make_stats()

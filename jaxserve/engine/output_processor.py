@@ -132,20 +132,23 @@ class OutputProcessor:
         st.num_cached_tokens = eco.num_cached_tokens
         if self.fault_injector is not None:
             self.fault_injector.before_detokenize(eco.new_token_ids)
-        st.token_ids.extend(eco.new_token_ids)
+        new_token_ids = eco.new_token_ids
         finish_reason, stop_reason = eco.finish_reason, eco.stop_reason
         # The last token is an EOS / stop token (whose text is hidden), not the token that
         # completed a grammar (structured outputs), which is text like any other.
-        stop_terminated = (finish_reason == FinishReason.STOP and bool(eco.new_token_ids)
-                           and eco.new_token_ids[-1] in st.params.all_stop_token_ids)
-        stop_str = st.detokenizer.update(eco.new_token_ids, stop_terminated)
-        if stop_str is not None and finish_reason is None:
+        stop_terminated = (finish_reason == FinishReason.STOP and bool(new_token_ids)
+                           and new_token_ids[-1] in st.params.all_stop_token_ids)
+        stop_str = st.detokenizer.update(new_token_ids, stop_terminated)
+        if stop_str is not None:
+            # Tokens after the one that completed the stop string (several tokens can
+            # arrive at once with speculative decoding) are not part of the output.
+            new_token_ids = new_token_ids[:st.detokenizer.num_tokens_used]
+            if finish_reason is None:
+                reqs_to_abort.append(eco.request_id)
             finish_reason, stop_reason = FinishReason.STOP, stop_str
-            reqs_to_abort.append(eco.request_id)
-        elif stop_str is not None:
-            finish_reason, stop_reason = FinishReason.STOP, stop_str
+        st.token_ids.extend(new_token_ids)
         if eco.new_logprobs is not None and st.logprobs is not None:
-            self._append_logprobs(st, eco.new_logprobs, len(eco.new_token_ids))
+            self._append_logprobs(st, eco.new_logprobs, len(new_token_ids))
         if eco.new_prompt_logprobs is not None and st.prompt_logprobs is not None:
             st.prompt_logprobs.extend(self._logprob_dicts(
                 eco.new_prompt_logprobs, st.params.prompt_logprobs, len(eco.new_prompt_logprobs.logprobs)))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from jaxserve.core.sched.scheduler import SpecDecodingStats
 
 
 @dataclass
@@ -25,6 +28,7 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)  # per output, per choice
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    spec_decoding: SpecDecodingStats | None = None  # this iteration's drafts (speculative decoding)
 
 
 @dataclass(frozen=True)

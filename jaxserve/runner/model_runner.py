@@ -35,8 +35,9 @@ from jaxserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunn
 from jaxserve.runner.bucketing import BucketTable, power_of_two_buckets
 from jaxserve.runner.input_batch import CachedRequestState, InputBatch
 from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks, kv_cache_sharding
-from jaxserve.runner.program_key import ModelStepKey, ProgramKey, PromptLogprobsKey, SampleKey
+from jaxserve.runner.program_key import ModelStepKey, ProgramKey, PromptLogprobsKey, SampleKey, VerifyKey
 from jaxserve.sample.metadata import SamplingMetadata
+from jaxserve.sample.rejection_sampler import rejection_sample
 from jaxserve.sample.sampler import compute_logprobs, sample
 from models.attention_metadata import AttentionMetadata
 from models.loader import load_model
@@ -57,6 +58,7 @@ class RankStep:
     num_scheduled: np.ndarray  # [R] int32: tokens scheduled this step
     num_computed: np.ndarray  # [R] int32: tokens computed before this step
     query_start_loc: np.ndarray  # [Rmax + 1] int32: offsets of each request's tokens in the rank's T
+    num_drafts: np.ndarray  # [R] int32: draft tokens verified this step (speculative decoding)
     token_offset: int  # the rank's first token in the step's [DP * T] arrays
     row_offset: int  # the rank's first row in the sampler's [DP * Rb] arrays
     prompt_logprobs_rows: np.ndarray  # [R] bool: rows returning prompt logprobs this step
@@ -72,10 +74,13 @@ class PreparedStep:
 
     ranks: list[RankStep]
     model_key: ModelStepKey
-    model_inputs: tuple  # input_ids [DP*T], positions [DP*T], AttentionMetadata, logits_indices [DP*Rmax]
-    sample_key: SampleKey
+    # input_ids [DP*T], positions [DP*T], AttentionMetadata, logits_indices [DP*Rmax*S]
+    model_inputs: tuple
+    sample_key: SampleKey | VerifyKey  # VerifyKey when some request has drafts
     sampling_metadata: SamplingMetadata  # [DP*Rb] rows
     prompt_logprobs_targets: np.ndarray | None  # [DP*T] int32: the token after each position
+    draft_token_ids: np.ndarray | None  # [DP*Rb, k] int32 (-1 padded), with a VerifyKey
+    num_draft_tokens: np.ndarray | None  # [DP*Rb] int32, with a VerifyKey
 
 
 def resolve_dtype(dtype: str, platform: str):
@@ -116,6 +121,19 @@ class ModelRunner:
         self.max_num_tokens = sc.max_num_batched_tokens
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         self.max_logprobs = max(mc.max_logprobs, 0)
+        # Speculative decoding: S = k + 1 logits rows per request (its last token and
+        # its k possible drafts); S = 1 without it, and every program is as before.
+        spec = config.speculative_config
+        self.num_spec = spec.num_speculative_tokens if spec is not None else 0
+        self.rows_per_req = self.num_spec + 1
+        self.proposer = None
+        if spec is not None and spec.method == "ngram":
+            from jaxserve.spec_decode.ngram_proposer import NgramProposer
+
+            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                          sc.max_model_len)
+        elif spec is not None:
+            raise ValueError(f"speculative_config.method {spec.method!r} is not supported yet")
         self.progress = progress
         self.dp = pc.data_parallel_size
         self.mesh = make_mesh(pc.tensor_parallel_size, self.dp)
@@ -167,12 +185,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ setup
     def _build_step_functions(self) -> None:
-        graphdef, dp = self.graphdef, self.dp
+        graphdef, dp, s = self.graphdef, self.dp, self.rows_per_req
 
-        def per_rank_rows(x, rows):
-            """x [DP*M, ...] -> each rank's first ``rows`` rows, [DP*rows, ...]. Reshaped,
-            not indexed with global offsets, so the partitioner keeps every rank local."""
-            return x.reshape(dp, -1, *x.shape[1:])[:, :rows].reshape(dp * rows, *x.shape[1:])
+        def per_rank_rows(x, rows, all_positions=False):
+            """x [DP*Rmax*S, H] (S rows per request) -> each rank's first ``rows``
+            requests: their first row [DP*rows, H], or all S rows [DP*rows*S, H].
+            Reshaped, not indexed with global offsets, so the partitioner keeps every
+            rank local."""
+            x = x.reshape(dp, -1, s, x.shape[-1])[:, :rows]
+            return x.reshape(-1, x.shape[-1]) if all_positions else x[:, :, 0].reshape(-1, x.shape[-1])
 
         def model_step(state, kv_cache, input_ids, positions, md, logits_indices):
             model = nnx.merge(graphdef, state)
@@ -187,6 +208,13 @@ class ModelRunner:
             logits = model.compute_logits(per_rank_rows(hidden_last, num_reqs))
             return sample(logits, smd, greedy_only=greedy_only, use_penalties=use_penalties,
                           num_logprobs=self.max_logprobs)
+
+        def verify_step(state, hidden_last, smd, draft_token_ids, num_draft_tokens, *, num_reqs, greedy_only,
+                        use_penalties):
+            model = nnx.merge(graphdef, state)
+            logits = model.compute_logits(per_rank_rows(hidden_last, num_reqs, all_positions=True))
+            return rejection_sample(logits, draft_token_ids, num_draft_tokens, smd, greedy_only=greedy_only,
+                                    use_penalties=use_penalties, num_logprobs=self.max_logprobs)
 
         def prompt_logprobs_step(state, hidden, targets):
             model = nnx.merge(graphdef, state)
@@ -203,6 +231,8 @@ class ModelRunner:
             SampleKey: jax.jit(sample_step, static_argnames=("num_reqs", "greedy_only", "use_penalties"),
                                out_shardings=self._replicated),
             PromptLogprobsKey: jax.jit(prompt_logprobs_step, out_shardings=self._replicated),
+            VerifyKey: jax.jit(verify_step, static_argnames=("num_reqs", "greedy_only", "use_penalties"),
+                               out_shardings=self._replicated),
         }
         # Executables compiled ahead of time by warmup(), by program key; the jitted
         # functions above serve any key not in here (enforce_eager).
@@ -236,6 +266,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         keys: list[ProgramKey] = [ModelStepKey(t) for t in self.token_buckets]
         keys += [SampleKey(r, g, p) for r in self.request_buckets for g in (True, False) for p in (False, True)]
+        if self.num_spec:
+            keys += [VerifyKey(r, g, p) for r in self.request_buckets for g in (True, False) for p in (False, True)]
         hidden_last = None
         for key in tqdm(keys, desc="Warm-up (compiling buckets)", disable=not self.progress):
             if isinstance(key, ModelStepKey):
@@ -247,7 +279,11 @@ class ModelRunner:
                 rows = np.zeros(key.num_reqs, np.int64)  # rows of the empty batch: neutral values
                 smd = self.input_batch.make_sampling_metadata(rows, use_penalties=key.use_penalties)
                 smd = jax.tree.map(lambda x: np.concatenate([x] * self.dp), smd)
-                self._compile(key, self.state, hidden_last, self._put(smd))
+                args = (smd,)
+                if isinstance(key, VerifyKey):
+                    args += (np.full((self.dp * key.num_reqs, self.num_spec), -1, np.int32),
+                             np.zeros(self.dp * key.num_reqs, np.int32))
+                self._compile(key, self.state, hidden_last, *self._put(args))
         dt = time.perf_counter() - t0
         logger.info("Warm-up compiled %d programs in %.1f s", self.num_compiled_programs, dt)
         return dt
@@ -271,7 +307,7 @@ class ModelRunner:
     def _model_inputs(self, t: int):
         """Zeroed model-step inputs for token bucket ``t``, every rank's one after the
         other: (input_ids [DP*T], positions [DP*T], AttentionMetadata, logits_indices
-        [DP*Rmax]). Per-request arrays have the fixed maximum sizes (Rmax, Pmax), so the
+        [DP*Rmax*S]). Per-request arrays have the fixed maximum sizes (Rmax, Pmax), so the
         backbone's programs depend on T alone; zeros are safe padding (slot 0 is the null
         block, num_seqs 0 masks every row)."""
         r, dp = self.max_num_reqs, self.dp
@@ -280,7 +316,8 @@ class ModelRunner:
             query_start_loc=np.zeros(dp * (r + 1), np.int32),
             block_tables=np.zeros((dp * r, self.max_blocks_per_req), np.int32), num_seqs=np.zeros(dp, np.int32),
         )
-        return np.zeros(dp * t, np.int32), np.zeros(dp * t, np.int32), md, np.zeros(dp * r, np.int32)
+        return (np.zeros(dp * t, np.int32), np.zeros(dp * t, np.int32), md,
+                np.zeros(dp * r * self.rows_per_req, np.int32))
 
     # ------------------------------------------------------------------ the step
     def execute_model(self, outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput]:
@@ -326,7 +363,14 @@ class ModelRunner:
             else:
                 i = ib.req_id_to_index[req_id]
                 ib.num_computed_tokens[i] = num_computed
+                # A request holds cdiv(num_computed, block_size) blocks before this step's:
+                # the scheduler gave back those held only for rejected drafts.
+                ib.num_blocks[i] = min(ib.num_blocks[i], cdiv(num_computed, self.block_size))
                 ib.append_block_ids(i, block_ids)
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            # After the request's tokens (num_tokens stays: they are not its tokens yet).
+            i = ib.req_id_to_index[req_id]
+            ib.token_ids[i, ib.num_tokens[i]:ib.num_tokens[i] + len(drafts)] = drafts
 
     def _prepare_inputs(self, outputs: list[SchedulerOutput]) -> PreparedStep:
         """The step's padded host arrays (numpy; nothing touches the device here). Every
@@ -341,12 +385,22 @@ class ModelRunner:
         greedy = all(ib.is_greedy(r) for ib, r in zip(self.input_batches, rows))
         use_penalties = any(ib.uses_penalties(r) for ib, r in zip(self.input_batches, rows))
         rank_steps, smds, lp_targets = [], [], None
+        s = self.rows_per_req
+        verify = any(so.scheduled_spec_decode_tokens for so in outputs)
+        drafts = np.full((self.dp * r_pad, self.num_spec), -1, np.int32) if verify else None
+        num_drafts = np.zeros(self.dp * r_pad, np.int32) if verify else None
         for rank, (so, ib, req_ids, rws) in enumerate(zip(outputs, self.input_batches, ranks, rows)):
             tok, row = slice(rank * t_pad, (rank + 1) * t_pad), slice(rank * rmax, (rank + 1) * rmax)
             step, targets = self._prepare_rank(
                 so, ib, req_ids, rws, input_ids[tok], positions[tok], md.slot_mapping[tok], md.seq_lens[row],
                 md.query_start_loc[rank * (rmax + 1):(rank + 1) * (rmax + 1)], md.block_tables[row],
-                logits_indices[row])
+                logits_indices[rank * rmax * s:(rank + 1) * rmax * s])
+            if verify:
+                for i, req_id in enumerate(req_ids):
+                    d = so.scheduled_spec_decode_tokens.get(req_id)
+                    if d:
+                        drafts[rank * r_pad + i, :len(d)] = d
+                num_drafts[rank * r_pad:rank * r_pad + len(req_ids)] = step.num_drafts
             step.token_offset, step.row_offset = rank * t_pad, rank * r_pad
             md.num_seqs[rank] = len(req_ids)
             rank_steps.append(step)
@@ -366,10 +420,11 @@ class ModelRunner:
                 smd_rank.allowed_token_bitmask[at] = so.grammar_bitmask
             smds.append(smd_rank)
         smd = smds[0] if self.dp == 1 else jax.tree.map(lambda *xs: np.concatenate(xs), *smds)
+        sample_key = (VerifyKey if verify else SampleKey)(r_pad, greedy, use_penalties)
         return PreparedStep(
             ranks=rank_steps, model_key=ModelStepKey(t_pad), model_inputs=(input_ids, positions, md, logits_indices),
-            sample_key=SampleKey(r_pad, greedy, use_penalties), sampling_metadata=smd,
-            prompt_logprobs_targets=lp_targets)
+            sample_key=sample_key, sampling_metadata=smd, prompt_logprobs_targets=lp_targets,
+            draft_token_ids=drafts, num_draft_tokens=num_drafts)
 
     def _prepare_rank(self, so, ib: InputBatch, req_ids, rows, input_ids, positions, slot_mapping, seq_lens, cu,
                       block_tables, logits_indices) -> tuple[RankStep, np.ndarray | None]:
@@ -390,7 +445,18 @@ class ModelRunner:
         slot_mapping[:total] = ib.block_table[tok_rows, pos // bs] * bs + pos % bs  # padding: null block
         seq_lens[:num_reqs] = computed + n
         block_tables[:num_reqs] = ib.block_table[rows]
-        logits_indices[:num_reqs] = cu[1 : num_reqs + 1] - 1
+        # S rows per request: its last d + 1 positions (the token before its drafts, then
+        # each draft), the last one repeated past d. Without drafts: its last position.
+        spec = so.scheduled_spec_decode_tokens
+        num_drafts = (np.fromiter((len(spec.get(r, ())) for r in req_ids), np.int32, num_reqs) if spec
+                      else np.zeros(num_reqs, np.int32))
+        last = cu[1:num_reqs + 1] - 1
+        s = self.rows_per_req
+        if s == 1:
+            logits_indices[:num_reqs] = last
+        else:
+            j = np.minimum(np.arange(s, dtype=np.int32)[None, :], num_drafts[:, None])
+            logits_indices[:num_reqs * s] = ((last - num_drafts)[:, None] + j).reshape(-1)
 
         # Prompt logprobs: positions p in [start, end) give the entries for tokens p + 1.
         # start skips what an earlier pass returned (the prompt is recomputed after preemption).
@@ -406,7 +472,7 @@ class ModelRunner:
             targets = ib.token_ids[tok_rows, np.minimum(pos + 1, ib.token_ids.shape[1] - 1)]
         return RankStep(
             req_ids=req_ids, rows=rows, num_scheduled=n, num_computed=computed, query_start_loc=cu,
-            token_offset=0, row_offset=0, prompt_logprobs_rows=lp_rows, prompt_logprobs_start=lp_start,
+            num_drafts=num_drafts, token_offset=0, row_offset=0, prompt_logprobs_rows=lp_rows, prompt_logprobs_start=lp_start,
             prompt_logprobs_end=lp_end), targets
 
     def _dispatch(self, step: PreparedStep):
@@ -414,31 +480,52 @@ class ModelRunner:
         KV cache donated and replaced), the sampler, prompt logprobs if any row wants
         them; one device_get of the results (numpy)."""
         targets = step.prompt_logprobs_targets
-        model_inputs, smd, targets = self._put((step.model_inputs, step.sampling_metadata, targets))
+        verify = isinstance(step.sample_key, VerifyKey)
+        drafts = (step.draft_token_ids, step.num_draft_tokens) if verify else ()
+        model_inputs, smd, targets, drafts = self._put((step.model_inputs, step.sampling_metadata, targets, drafts))
         hidden, hidden_last, self.kv_cache = self._run(step.model_key, self.state, self.kv_cache, *model_inputs)
-        sampled = self._run(step.sample_key, self.state, hidden_last, smd)
+        sampled = self._run(step.sample_key, self.state, hidden_last, smd, *drafts)
         prompt_lp = None
         if targets is not None:
             prompt_lp = self._run(PromptLogprobsKey(step.model_key.num_tokens), self.state, hidden, targets)
-        (sampled, lp_ids, lps, ranks), prompt_lp = jax.device_get((sampled, prompt_lp))
-        return sampled, (lp_ids, lps, ranks), prompt_lp
+        sampled, prompt_lp = jax.device_get((sampled, prompt_lp))
+        if verify:
+            tokens, num_emitted, lp_ids, lps, ranks = sampled
+        else:  # one token per request: the same shapes with S = 1
+            tokens, lp_ids, lps, ranks = sampled
+            tokens, num_emitted = tokens[:, None], np.ones(len(tokens), np.int32)
+        return (tokens, num_emitted), (lp_ids, lps, ranks), prompt_lp
 
     def _bookkeeping(self, rank: int, step: RankStep, sampled, logprobs, prompt_logprobs) -> ModelRunnerOutput:
-        """Append a rank's sampled tokens to its batch and build its ModelRunnerOutput."""
+        """Append a rank's emitted tokens to its batch, propose the next drafts
+        (speculative decoding) and build its ModelRunnerOutput. ``sampled``: (tokens
+        [DP*Rb, S] with -1 past each row's emitted ones, num_emitted [DP*Rb])."""
         ib, rows, num_reqs = self.input_batches[rank], step.rows, len(step.req_ids)
         if num_reqs == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         mine = slice(step.row_offset, step.row_offset + num_reqs)
-        sampled = sampled[mine]
-        # Requests whose scheduled tokens reach their end produce a token; the rest are
-        # mid-prefill and their sample is discarded.
+        tokens, num_emitted = sampled[0][mine], sampled[1][mine]
+        # Requests whose scheduled tokens reach their end produce tokens; the rest are
+        # mid-prefill and their sample is discarded. Rejected drafts are uncomputed.
         new_computed = step.num_computed + step.num_scheduled
+        done = new_computed >= ib.num_tokens[rows] + step.num_drafts
+        num_emitted = np.where(done, num_emitted, 0)
+        new_computed -= step.num_drafts - np.maximum(num_emitted - 1, 0)
         ib.num_computed_tokens[rows] = new_computed
-        done = new_computed >= ib.num_tokens[rows]
-        done_rows = rows[done]
-        ib.token_ids[done_rows, ib.num_tokens[done_rows]] = sampled[done]
-        ib.num_tokens[done_rows] += 1
-        sampled_list = [[int(t)] if d else [] for t, d in zip(sampled.tolist(), done.tolist())]
+        if tokens.shape[1] == 1:
+            done_rows = rows[done]
+            ib.token_ids[done_rows, ib.num_tokens[done_rows]] = tokens[done, 0]
+            sampled_list = [[int(t)] if d else [] for t, d in zip(tokens[:, 0].tolist(), done.tolist())]
+        else:
+            sampled_list = [tokens[i, :num_emitted[i]].tolist() for i in range(num_reqs)]
+            for i in np.flatnonzero(done):
+                start = ib.num_tokens[rows[i]]
+                ib.token_ids[rows[i], start:start + num_emitted[i]] = tokens[i, :num_emitted[i]]
+        ib.num_tokens[rows] += num_emitted
+        draft_token_ids = {}
+        if self.proposer is not None:
+            by_row = self.proposer.propose(ib.token_ids, ib.num_tokens, rows[done])
+            draft_token_ids = {ib.req_ids[r]: d for r, d in by_row.items()}
 
         prompt_logprobs_dict = {}
         if prompt_logprobs is not None:
@@ -453,10 +540,14 @@ class ModelRunner:
                 self.requests[req_id].num_prompt_logprobs_done = int(step.prompt_logprobs_end[i])
 
         lp_ids, lps, ranks = logprobs
+        stride = len(lp_ids) // len(sampled[0])  # S with a VerifyKey, else 1
+        lp_rows = slice(step.row_offset * stride, (step.row_offset + num_reqs) * stride)
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
             sampled_token_ids=sampled_list,
-            logprobs=LogprobsLists(lp_ids[mine], lps[mine], ranks[mine]),
+            logprobs=LogprobsLists(lp_ids[lp_rows], lps[lp_rows], ranks[lp_rows]),
             prompt_logprobs_dict=prompt_logprobs_dict,
+            logprobs_stride=stride,
+            draft_token_ids=draft_token_ids,
         )

@@ -43,4 +43,17 @@ class PromptLogprobsKey:
         return {}
 
 
-ProgramKey = ModelStepKey | SampleKey | PromptLogprobsKey
+@dataclass(frozen=True, slots=True)
+class VerifyKey:
+    """Logits at every draft position + rejection sampling (speculative decoding) for a
+    request bucket; the same variants as SampleKey."""
+
+    num_reqs: int
+    greedy_only: bool
+    use_penalties: bool
+
+    def static_args(self) -> dict:
+        return asdict(self)
+
+
+ProgramKey = ModelStepKey | SampleKey | PromptLogprobsKey | VerifyKey

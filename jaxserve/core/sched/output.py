@@ -59,3 +59,6 @@ class SchedulerOutput:
     # t // 32 set = token t allowed); None when no scheduled request is constrained.
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
+    # Speculative decoding: req_id -> the draft tokens scheduled after its last token
+    # (counted in num_scheduled_tokens); only requests with drafts are keys.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.kv_cache_utils import KVCacheBlock, PrefixCacheStats, cdiv, get_request_block_hasher
 from jaxserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -26,12 +26,53 @@ logger = logging.getLogger("jaxserve")
 
 
 @dataclass
+class SpecDecodingStats:
+    """Speculative decoding counters (vLLM's names). A draft is one request's draft
+    tokens in one step; ``num_accepted_tokens_per_pos[i]``: drafts whose token i was
+    accepted. Mean acceptance length = 1 + num_accepted_tokens / num_drafts."""
+
+    num_spec_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for i in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+    def summary(self) -> dict:
+        """vLLM's derived figures: acceptance rate (accepted / drafted tokens), mean
+        acceptance length (1 + accepted / drafts: the tokens a verified draft yields),
+        and per position i the fraction of drafts whose token i was accepted."""
+        drafts = max(self.num_drafts, 1)
+        return {
+            "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1),
+            "mean_acceptance_length": 1 + self.num_accepted_tokens / drafts,
+            "acceptance_rate_per_pos": [n / drafts for n in self.num_accepted_tokens_per_pos],
+        }
+
+    def add(self, other: "SpecDecodingStats") -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for i, n in enumerate(other.num_accepted_tokens_per_pos):
+            self.num_accepted_tokens_per_pos[i] += n
+
+
+@dataclass
 class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     num_preemptions: int = 0
+    spec_decoding_stats: SpecDecodingStats | None = None  # since the last make_stats(); None without speculation
 
 
 class Scheduler:
@@ -43,8 +84,15 @@ class Scheduler:
         *,
         check_invariants: bool = False,
         structured_output_manager: StructuredOutputManager | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
+        self.speculative_config = speculative_config
+        self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
+        # Since the last make_stats() (for stat loggers), and since start (offline metrics).
+        self.spec_stats = SpecDecodingStats(self.num_spec_tokens, num_accepted_tokens_per_pos=[0] * self.num_spec_tokens)
+        self.spec_stats_total = SpecDecodingStats(self.num_spec_tokens,
+                                                  num_accepted_tokens_per_pos=[0] * self.num_spec_tokens)
         self.cache_config = cache_config
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
@@ -126,11 +174,19 @@ class Scheduler:
         num_scheduled_tokens: dict[str, int] = {}
         token_budget = self.max_num_scheduled_tokens
 
-        # 1. Running requests, in order. Each needs its remaining tokens (1 when decoding).
+        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+        sc = self.speculative_config
+        if sc is not None and sc.disable_by_batch_size is not None and len(self.running) > sc.disable_by_batch_size:
+            for request in self.running:  # a big batch gains nothing from speculation
+                request.spec_token_ids = []
+
+        # 1. Running requests, in order. Each needs its remaining tokens (1 when decoding)
+        # plus its draft tokens, if it has any (speculative decoding).
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = self._clamp_long_prefill(request.num_tokens - request.num_computed_tokens)
+            num_new_tokens = self._clamp_long_prefill(
+                request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens)
             num_new_tokens = min(num_new_tokens, token_budget)
             # Never compute a position at or past max_model_len.
             num_new_tokens = min(num_new_tokens, self.max_model_len - request.num_computed_tokens)
@@ -140,7 +196,7 @@ class Scheduler:
 
             new_blocks, num_undone_reqs, num_undone_tokens = self._allocate_or_preempt(
                 request, num_new_tokens, scheduled_running_reqs, num_scheduled_tokens, req_to_new_block_ids,
-                preempted_reqs,
+                preempted_reqs, scheduled_spec_decode_tokens,
             )
             # Each undone victim sat before this request in self.running.
             req_index -= num_undone_reqs
@@ -153,6 +209,12 @@ class Scheduler:
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
+            if request.spec_token_ids:
+                # The drafts that fit (the budget or max_model_len may cut them short).
+                num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
+                if num_spec > 0:
+                    scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+                request.spec_token_ids = []
 
         # 2. Waiting requests, in queue order, unless this step had to preempt. Those
         # whose grammar is still compiling are passed over (and keep their place).
@@ -229,6 +291,7 @@ class Scheduler:
             preempted_req_ids={r.request_id for r in preempted_reqs},
             structured_output_request_ids=structured_ids,
             grammar_bitmask=bitmask,
+            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
         )
         # A request's computed count advances as soon as it is scheduled: its KV is
         # written by this step, and the next schedule() may run before the output is back.
@@ -292,6 +355,7 @@ class Scheduler:
         num_scheduled_tokens: dict[str, int],
         req_to_new_block_ids: dict[str, list[int]],
         preempted_reqs: list[Request],
+        scheduled_spec_decode_tokens: dict[str, list[int]],
     ) -> tuple[list[KVCacheBlock] | None, int, int]:
         """Slots for a running request, preempting running requests until they fit.
 
@@ -311,6 +375,7 @@ class Scheduler:
                 scheduled_running_reqs.remove(victim)
                 num_undone_tokens += num_scheduled_tokens.pop(victim.request_id)
                 req_to_new_block_ids.pop(victim.request_id)
+                scheduled_spec_decode_tokens.pop(victim.request_id, None)
                 num_undone_reqs += 1
             self._preempt_request(victim)
             preempted_reqs.append(victim)
@@ -332,6 +397,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # it resumes by recomputing; drafting starts again after
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend_request(request)
@@ -355,6 +421,9 @@ class Scheduler:
             # runs ahead of outputs) sits in the waiting queue, not in running.
             was_preempted = request.status == RequestStatus.PREEMPTED
             error = None
+            spec = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if spec and new_token_ids and not was_preempted:
+                self._roll_back_rejected(request, len(spec), len(new_token_ids) - 1)
             if new_token_ids:
                 new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
                 if not stopped and request.structured_output_request is not None:
@@ -366,7 +435,9 @@ class Scheduler:
                         stopped, error = True, f"structured output grammar failed: {e!r}"
             new_logprobs = None
             if logprobs is not None and new_token_ids and request.sampling_params.logprobs is not None:
-                new_logprobs = logprobs.slice(req_index, req_index + len(new_token_ids))
+                # Row of this request's j-th new token: req_index * stride + j.
+                start = req_index * model_runner_output.logprobs_stride
+                new_logprobs = logprobs.slice(start, start + len(new_token_ids))
             new_prompt_logprobs = model_runner_output.prompt_logprobs_dict.get(req_id)
             if stopped:
                 if was_preempted:
@@ -374,6 +445,10 @@ class Scheduler:
                 else:
                     self.running.remove(request)
                 self._free_request(request)
+            elif new_token_ids and self.num_spec_tokens:
+                drafts = model_runner_output.draft_token_ids.get(req_id)
+                if drafts and self._may_speculate(request):
+                    request.spec_token_ids = drafts
             if new_token_ids or new_prompt_logprobs is not None or stopped:
                 outputs.append(
                     EngineCoreOutput(
@@ -390,6 +465,38 @@ class Scheduler:
         if self.check_invariants:
             self.assert_invariants()
         return outputs
+
+    def _roll_back_rejected(self, request: Request, num_draft: int, num_accepted: int) -> None:
+        """Speculative decoding: the step computed the request's last token and its
+        ``num_draft`` drafts; only ``num_accepted`` drafts held. The rejected positions
+        are uncomputed again and the blocks held only for them go back to the pool
+        (never hashed: hashes cover committed tokens only)."""
+        num_rejected = num_draft - num_accepted
+        request.num_computed_tokens -= num_rejected
+        if num_rejected:
+            self.kv_cache_manager.free_tail(request, request.num_computed_tokens)
+        self.spec_stats.observe_draft(num_draft, num_accepted)
+        self.spec_stats_total.observe_draft(num_draft, num_accepted)
+        # Decayed counts: roughly the last acceptance_window draft tokens.
+        request.num_spec_drafted += num_draft
+        request.num_spec_accepted += num_accepted
+        sc = self.speculative_config
+        if request.num_spec_drafted >= sc.acceptance_window:
+            if request.num_spec_accepted < sc.min_acceptance * request.num_spec_drafted:
+                request.spec_disabled = True
+            request.num_spec_drafted /= 2
+            request.num_spec_accepted /= 2
+
+    def _may_speculate(self, request: Request) -> bool:
+        """Drafts are verified exactly only where every position samples like the first:
+        not for a constrained request (its grammar advances token by token), one with
+        penalties (they depend on the drafts before each position), or one still held
+        below min_tokens (its stop-token mask may lift inside the run); nor where
+        speculation has not paid (min_acceptance)."""
+        sp = request.sampling_params
+        return not (request.spec_disabled or request.structured_output_request is not None
+                    or request.num_output_tokens < sp.min_tokens or sp.presence_penalty != 0
+                    or sp.frequency_penalty != 0 or sp.repetition_penalty != 1)
 
     def _advance_grammar(self, request: Request, new_token_ids: list[int]) -> bool:
         """Feed the sampled tokens to the request's grammar; True when that ends the
@@ -419,12 +526,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ stats / checks
     def make_stats(self) -> SchedulerStats:
+        spec_stats = None
+        if self.speculative_config is not None:
+            spec_stats = self.spec_stats
+            self.spec_stats = SpecDecodingStats(self.num_spec_tokens,
+                                                num_accepted_tokens_per_pos=[0] * self.num_spec_tokens)
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             num_preemptions=self.num_preemptions,
+            spec_decoding_stats=spec_stats,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -453,7 +566,8 @@ class Scheduler:
         assert len(running) + len(waiting) == len(self.requests)
         for r in self.running:
             assert r.status == RequestStatus.RUNNING
-            assert r.num_computed_tokens <= r.num_tokens
+            # Past num_tokens only by the draft tokens of the step just scheduled.
+            assert r.num_computed_tokens <= r.num_tokens + self.num_spec_tokens
             need = cdiv(min(r.num_computed_tokens, self.max_model_len), self.block_size)
             assert len(self.kv_cache_manager.req_to_blocks.get(r.request_id, [])) >= need
         for r in self.waiting:

@@ -1,0 +1,89 @@
+"""Verification of draft tokens (speculative decoding), inside the jitted step.
+
+Each request has S = k + 1 logits rows: the target model's distributions at its
+last token and at each of its d <= k draft tokens (rows past d repeat the last one
+and are never used). Row j decides the token at output position output_pos + j:
+
+- greedy rows accept draft j while it equals the target argmax; the first mismatch
+  emits the argmax instead, and when all d drafts hold, row d's argmax is a bonus.
+  The output is exactly what decoding without speculation gives.
+- random rows accept draft j with probability p_j(draft) (the drafts are one-hot
+  proposals, as vLLM treats n-gram and draft-model guesses), else emit a token drawn
+  from p_j with the draft removed and renormalised; all accepted: a bonus draw from
+  p_d. Either way each emitted token is distributed as p_j, the target's own
+  distribution after temperature, min-p, top-k and top-p.
+
+The draw at row j uses the key fold_in(key(seed), output_pos + j), the plain
+sampler's key for that output position, so a request without drafts samples exactly
+as the plain sampler does; acceptance tests use a second, independent stream.
+Penalties, min_tokens masks and grammar masks apply to every row alike, which is
+exact because the scheduler gives no drafts to requests they would differ for.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.sample.metadata import SamplingMetadata
+from jaxserve.sample.sampler import (
+    apply_grammar_bitmask, apply_min_tokens, apply_penalties, apply_top_k_top_p_min_p, compute_logprobs, fast_argmax,
+)
+
+# Salt of the acceptance test's random stream (independent of the draws').
+_ACCEPT_SALT = 0x5BD1E995
+
+
+def _uniform(seeds, positions):
+    """One uniform in (0, 1] per row from key(seed) folded with the position."""
+    return 1.0 - jax.vmap(lambda s, p: jax.random.uniform(jax.random.fold_in(jax.random.key(s), p)))(seeds, positions)
+
+
+def rejection_sample(logits, draft_token_ids, num_draft_tokens, md: SamplingMetadata, *, greedy_only: bool,
+                     use_penalties: bool, num_logprobs: int):
+    """logits [R*S, V] f32 (request i's rows at i*S .. i*S + k), draft_token_ids [R, k]
+    int32, num_draft_tokens [R] int32, md: [R] rows ->
+    (tokens [R, S] int32: the emitted tokens, -1 after them; num_emitted [R] int32 in
+    1..d+1; logprob ids [R*S, n+1], logprobs [R*S, n+1], ranks [R*S]: row i*S + j for
+    request i's j-th emitted token)."""
+    r, k = draft_token_ids.shape
+    s = k + 1
+    per_row = jax.tree.map(lambda x: jnp.repeat(x, s, axis=0), md)
+    col = jnp.tile(jnp.arange(s, dtype=jnp.int32), r)  # [R*S]: position within the request
+    drafts = jnp.concatenate([draft_token_ids, jnp.full((r, 1), -1, jnp.int32)], axis=1).reshape(-1)
+    has_draft = col < jnp.repeat(num_draft_tokens, s)
+    positions = per_row.output_pos + col
+
+    logits = apply_grammar_bitmask(logits, per_row.allowed_token_bitmask)
+    raw = logits
+    logits = apply_min_tokens(logits, per_row)
+    if use_penalties:
+        logits = apply_penalties(logits, per_row)
+    greedy_tokens = fast_argmax(logits)
+    if greedy_only:
+        accept, target = drafts == greedy_tokens, greedy_tokens
+    else:
+        is_greedy = per_row.temperature <= 0.0
+        temp = jnp.where(is_greedy, 1.0, per_row.temperature)
+        tempered = logits / temp[:, None]
+        filtered = (per_row.top_k > 0) | (per_row.top_p < 1.0) | (per_row.min_p > 0.0)
+        tempered = jnp.where(filtered[:, None], apply_top_k_top_p_min_p(tempered, per_row), tempered)
+        probs = jax.nn.softmax(tempered, axis=-1)
+        safe_drafts = jnp.maximum(drafts, 0)
+        p_draft = jnp.take_along_axis(probs, safe_drafts[:, None], axis=-1)[:, 0]
+        accept_random = p_draft >= _uniform(per_row.seeds ^ jnp.uint32(_ACCEPT_SALT), positions)
+        # The token emitted where the draft is rejected (or the bonus): p without the draft.
+        vocab = jnp.arange(probs.shape[1], dtype=jnp.int32)
+        q = jnp.where(has_draft[:, None] & (vocab[None, :] == safe_drafts[:, None]), 0.0, probs)
+        cdf = jnp.cumsum(q, axis=-1)
+        u = _uniform(per_row.seeds, positions)
+        drawn = jnp.minimum(jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32),
+                            probs.shape[1] - 1)
+        accept = jnp.where(is_greedy, drafts == greedy_tokens, accept_random)
+        target = jnp.where(is_greedy, greedy_tokens, drawn)
+    accept = (accept & has_draft).reshape(r, s)
+    num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # leading accepts
+    cols = jnp.arange(s, dtype=jnp.int32)[None, :]
+    tokens = jnp.where(cols < num_accepted[:, None], drafts.reshape(r, s),
+                       jnp.where(cols == num_accepted[:, None], target.reshape(r, s), -1))
+    ids, lps, ranks = compute_logprobs(raw, jnp.maximum(tokens.reshape(-1), 0), num_logprobs)
+    return tokens, num_accepted + 1, ids, lps, ranks
