@@ -73,3 +73,23 @@ def test_scheduler_config_is_the_one_home_of_max_model_len():
 
     assert "max_model_len" in {f.name for f in dataclasses.fields(SchedulerConfig)}
     assert "max_model_len" not in {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def test_speculative_config_flag():
+    from jaxserve.config import SpeculativeConfig
+
+    args = EngineArgs.from_cli_args(parse(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']))
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    cfg = SpeculativeConfig.from_dict(args.speculative_config)
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (5, 5)  # vLLM's defaults
+    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
+                                        "prompt_lookup_max": 3}).prompt_lookup_min == 3
+    for bad, field in [({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+                       ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({"method": "ngram"}, "num_speculative_tokens"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+                         "prompt_lookup_max": 2}, "prompt_lookup_min"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "typo"),
+                       ({"method": "draft_model", "num_speculative_tokens": 2}, "model")]:
+        with pytest.raises(ValueError, match=field):
+            SpeculativeConfig.from_dict(bad)
