@@ -121,9 +121,10 @@ class KVCacheManager:
 
     def free_tail(self, request, num_tokens: int) -> None:
         """Give back the request's blocks past those that ``num_tokens`` tokens need
-        (speculative decoding: blocks held only for draft tokens that were rejected).
-        The runner's block table follows: it keeps cdiv(num_computed_tokens, block_size)
-        blocks of a request before appending the next step's."""
+        (speculative decoding: blocks held only for draft tokens that were rejected, or
+        for a draft model's lookahead). The runner's block table follows: it keeps
+        cdiv(num_computed_tokens (+ 1 with a draft model), block_size) blocks of a
+        request before appending the next step's."""
         blocks = self.req_to_blocks.get(request.request_id)
         keep = cdiv(num_tokens, self.block_size)
         if not blocks or len(blocks) <= keep:

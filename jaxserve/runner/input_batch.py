@@ -46,6 +46,8 @@ class InputBatch:
         self.num_tokens = np.zeros(n, np.int32)
         self.num_prompt_tokens = np.zeros(n, np.int32)
         self.num_computed_tokens = np.zeros(n, np.int32)
+        # Speculative decoding with a draft model: positions whose draft KV is written.
+        self.draft_num_computed = np.zeros(n, np.int32)
         self.block_table = np.zeros((n, max_num_blocks_per_req), np.int32)
         self.num_blocks = np.zeros(n, np.int32)
         self.temperature = np.zeros(n, np.float32)
@@ -75,6 +77,7 @@ class InputBatch:
         self.num_tokens[i] = len(tokens)
         self.num_prompt_tokens[i] = len(state.prompt_token_ids)
         self.num_computed_tokens[i] = num_computed_tokens
+        self.draft_num_computed[i] = num_computed_tokens
         self.num_blocks[i] = 0
         self.append_block_ids(i, block_ids)
         sp = state.sampling_params

@@ -42,13 +42,17 @@ def determine_num_blocks(
     device: jax.Device,
     tensor_parallel_size: int = 1,
     num_devices: int = 1,
+    draft: ModelArchConfig | None = None,
 ) -> int:
     """Blocks per data-parallel rank (null block included) that fit the budget of one
     device (``kv_cache_memory`` is per device, as vLLM's; a device holds 1/tp of each
     of its rank's blocks); ValueError if one max_model_len sequence does not fit
     (naming the longest length that would). ``num_devices``: the mesh's, sharing the
-    CPU default budget."""
+    CPU default budget. ``draft``: a draft model (speculative decoding) whose KV shares
+    the pages: a page then costs both models' bytes."""
     per_block = bytes_per_block(c, block_size, dtype)
+    if draft is not None:
+        per_block += bytes_per_block(draft, block_size, dtype)
     per_device_block = per_block / tensor_parallel_size
     if num_gpu_blocks_override is not None:
         num_blocks = num_gpu_blocks_override

@@ -35,7 +35,7 @@ from jaxserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunn
 from jaxserve.runner.bucketing import BucketTable, power_of_two_buckets
 from jaxserve.runner.input_batch import CachedRequestState, InputBatch
 from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks, kv_cache_sharding
-from jaxserve.runner.program_key import ModelStepKey, ProgramKey, PromptLogprobsKey, SampleKey, VerifyKey
+from jaxserve.runner.program_key import DraftKey, ModelStepKey, ProgramKey, PromptLogprobsKey, SampleKey, VerifyKey
 from jaxserve.sample.metadata import SamplingMetadata
 from jaxserve.sample.rejection_sampler import rejection_sample
 from jaxserve.sample.sampler import compute_logprobs, sample
@@ -64,6 +64,7 @@ class RankStep:
     prompt_logprobs_rows: np.ndarray  # [R] bool: rows returning prompt logprobs this step
     prompt_logprobs_start: np.ndarray  # [R]: first prompt position returned
     prompt_logprobs_end: np.ndarray  # [R]: one past the last
+    done: np.ndarray | None = None  # [R] bool, set by the bookkeeping: rows that emitted tokens
 
 
 @dataclasses.dataclass(slots=True)
@@ -126,14 +127,16 @@ class ModelRunner:
         spec = config.speculative_config
         self.num_spec = spec.num_speculative_tokens if spec is not None else 0
         self.rows_per_req = self.num_spec + 1
-        self.proposer = None
+        self.proposer = None  # the n-gram proposer (host)
+        self.draft = None  # the draft-model proposer (device), built after the target is loaded
+        # A request keeps cdiv(num_computed + this, block_size) blocks between steps: the
+        # draft model has also written the KV of the request's last token.
+        self._blocks_past_computed = 0
         if spec is not None and spec.method == "ngram":
             from jaxserve.spec_decode.ngram_proposer import NgramProposer
 
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
                                           sc.max_model_len)
-        elif spec is not None:
-            raise ValueError(f"speculative_config.method {spec.method!r} is not supported yet")
         self.progress = progress
         self.dp = pc.data_parallel_size
         self.mesh = make_mesh(pc.tensor_parallel_size, self.dp)
@@ -149,6 +152,15 @@ class ModelRunner:
                                                           progress=progress, scan_layers=mc.scan_layers)
         self.vocab_size = self.arch.vocab_size
         logger.info("Loaded %s (%s) in %.1f s", model_path, self.arch.architecture, time.perf_counter() - t0)
+        self.token_buckets = BucketTable(config.token_buckets or power_of_two_buckets(MIN_TOKEN_BUCKET, self.max_num_tokens))
+        if spec is not None and spec.method == "draft_model":
+            from jaxserve.spec_decode.draft_model import DraftModelProposer
+
+            t0 = time.perf_counter()
+            self.draft = DraftModelProposer(self, spec.model, spec.num_speculative_tokens, progress=progress)
+            self._blocks_past_computed = 1
+            logger.info("Loaded the draft model %s (%s) in %.1f s", spec.model, self.draft.arch.architecture,
+                        time.perf_counter() - t0)
 
         # Blocks per rank: each rank's scheduler hands out ids in [0, num_blocks).
         self.num_blocks = determine_num_blocks(
@@ -156,10 +168,12 @@ class ModelRunner:
             gpu_memory_utilization=cc.gpu_memory_utilization, kv_cache_memory=cc.kv_cache_memory,
             num_gpu_blocks_override=cc.num_gpu_blocks_override, device=self._local_device(),
             tensor_parallel_size=pc.tensor_parallel_size, num_devices=self.mesh.size,
+            draft=self.draft.arch if self.draft is not None else None,
         )
         self.kv_cache = allocate_kv_cache(self.arch, self.num_blocks, self.block_size, self.dtype, self.mesh)
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(self.num_blocks)
 
-        self.token_buckets = BucketTable(config.token_buckets or power_of_two_buckets(MIN_TOKEN_BUCKET, self.max_num_tokens))
         self.request_buckets = BucketTable(
             config.request_buckets or power_of_two_buckets(min(MIN_REQUEST_BUCKET, self.max_num_reqs), self.max_num_reqs)
         )
@@ -173,6 +187,8 @@ class ModelRunner:
             mc.attention_backend, self.platform, self.mesh, sm_scale=self.arch.head_dim ** -0.5,
             sliding_window=self.arch.sliding_window, interpret=self.platform == "cpu")
         self._build_step_functions()
+        if self.draft is not None:
+            self._jitted[DraftKey] = self.draft.jitted
 
     def _local_device(self) -> jax.Device:
         """A mesh device of this process (multi-host: only those report memory stats)."""
@@ -268,9 +284,13 @@ class ModelRunner:
         keys += [SampleKey(r, g, p) for r in self.request_buckets for g in (True, False) for p in (False, True)]
         if self.num_spec:
             keys += [VerifyKey(r, g, p) for r in self.request_buckets for g in (True, False) for p in (False, True)]
+        if self.draft is not None:
+            keys += [DraftKey(t) for t in self.draft.buckets]
         hidden_last = None
         for key in tqdm(keys, desc="Warm-up (compiling buckets)", disable=not self.progress):
-            if isinstance(key, ModelStepKey):
+            if isinstance(key, DraftKey):
+                self._compile(key, self.draft.state, self.draft.kv_cache, *self._put(self.draft.inputs(key.num_tokens)))
+            elif isinstance(key, ModelStepKey):
                 exe = self._executables[key] = self.lower_model_step(key.num_tokens).compile()
                 hidden, hidden_last, _ = exe.out_info
                 self._compile(PromptLogprobsKey(key.num_tokens), self.state, hidden,
@@ -331,8 +351,13 @@ class ModelRunner:
             return [EMPTY_MODEL_RUNNER_OUTPUT] * self.dp
         step = self._prepare_inputs(outputs)
         sampled, logprobs, prompt_logprobs = self._dispatch(step)
-        return [self._bookkeeping(rank, step.ranks[rank], sampled, logprobs, prompt_logprobs)
-                for rank in range(self.dp)]
+        results = [self._bookkeeping(rank, step.ranks[rank], sampled, logprobs, prompt_logprobs)
+                   for rank in range(self.dp)]
+        if self.draft is not None:
+            for out, drafts in zip(results, self.draft.propose(step.ranks)):
+                if drafts:
+                    out.draft_token_ids = drafts
+        return results
 
     def _update_states(self, rank: int, so: SchedulerOutput) -> None:
         """Apply a rank's SchedulerOutput diff to its persistent InputBatch."""
@@ -365,7 +390,8 @@ class ModelRunner:
                 ib.num_computed_tokens[i] = num_computed
                 # A request holds cdiv(num_computed, block_size) blocks before this step's:
                 # the scheduler gave back those held only for rejected drafts.
-                ib.num_blocks[i] = min(ib.num_blocks[i], cdiv(num_computed, self.block_size))
+                ib.num_blocks[i] = min(ib.num_blocks[i], cdiv(num_computed + self._blocks_past_computed,
+                                                              self.block_size))
                 ib.append_block_ids(i, block_ids)
         for req_id, drafts in so.scheduled_spec_decode_tokens.items():
             # After the request's tokens (num_tokens stays: they are not its tokens yet).
@@ -522,6 +548,7 @@ class ModelRunner:
                 start = ib.num_tokens[rows[i]]
                 ib.token_ids[rows[i], start:start + num_emitted[i]] = tokens[i, :num_emitted[i]]
         ib.num_tokens[rows] += num_emitted
+        step.done = done
         draft_token_ids = {}
         if self.proposer is not None:
             by_row = self.proposer.propose(ib.token_ids, ib.num_tokens, rows[done])

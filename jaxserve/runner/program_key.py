@@ -56,4 +56,15 @@ class VerifyKey:
         return asdict(self)
 
 
-ProgramKey = ModelStepKey | SampleKey | PromptLogprobsKey | VerifyKey
+@dataclass(frozen=True, slots=True)
+class DraftKey:
+    """The draft model's proposal (speculative decoding, method draft_model): its first
+    pass over a draft token bucket, then its k - 1 one-token passes."""
+
+    num_tokens: int
+
+    def static_args(self) -> dict:
+        return {}
+
+
+ProgramKey = ModelStepKey | SampleKey | PromptLogprobsKey | VerifyKey | DraftKey

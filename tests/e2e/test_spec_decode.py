@@ -61,6 +61,30 @@ def test_greedy_identity(tiny_models, arch, kw):
     assert m["num_steps"] < sum(len(w.token_ids) for w in want) / len(want) * 2
 
 
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_draft_model_greedy_identity(tiny_models, draft):
+    """A draft model: the target itself (every draft must be accepted: its KV, fed in
+    lockstep through chunked prefill, prefix-cache hits and preemption, is then right)
+    or an unrelated 1-layer model (nearly all rejected). The same tokens either way."""
+    path = tiny_models("llama", kv_heads=2)
+    draft_path = path if draft == "same" else tiny_models("llama", kv_heads=2, seed=1, layers=1)
+    ps = prompts()
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    small = dict(num_gpu_blocks_override=17)
+    want = generate(make_llm(path, **small), ps, sp)
+    llm = make_llm(path, {"method": "draft_model", "model": str(draft_path), "num_speculative_tokens": 3}, **small)
+    got = generate(llm, ps, sp)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    m = llm.get_metrics()
+    assert m["num_preemptions"] > 0, m
+    if draft == "same":
+        assert m["spec_decode"]["acceptance_rate"] == 1.0, m
+    else:
+        assert m["spec_decode"]["num_draft_tokens"] > 100, m
+    pool = llm.llm_engine.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
 def test_stop_rules_inside_accepted_runs(tiny_models):
     """max_tokens, a stop token id and a stop string falling at every position of an
     output that speculation produces several tokens at a time: cut where they would
@@ -125,9 +149,11 @@ def test_sampling_keeps_the_target_distribution(tiny_models):
     assert pvalue > 1e-3, (outcomes, table)
 
 
-def test_zero_compiles_after_warmup_and_no_leaks(tiny_models):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_zero_compiles_after_warmup_and_no_leaks(tiny_models, method):
     path = tiny_models("llama", kv_heads=2)
-    llm = make_llm(path, NGRAM, enforce_eager=False, max_num_batched_tokens=64)
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    llm = make_llm(path, spec, enforce_eager=False, max_num_batched_tokens=64)
     rng = np.random.default_rng(0)
     ps = prompts()
     with count_compiles(llm.llm_engine.model_runner) as compiled:

@@ -89,6 +89,10 @@ class Scheduler:
         self.scheduler_config = scheduler_config
         self.speculative_config = speculative_config
         self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
+        # A draft model writes KV up to k positions past a request's scheduled tokens (its
+        # own guesses), and keeps its last token's: blocks for both (see free_tail below).
+        draft_model = speculative_config is not None and speculative_config.method == "draft_model"
+        self.num_lookahead_tokens = self.num_spec_tokens if draft_model else 0
         # Since the last make_stats() (for stat loggers), and since start (offline metrics).
         self.spec_stats = SpecDecodingStats(self.num_spec_tokens, num_accepted_tokens_per_pos=[0] * self.num_spec_tokens)
         self.spec_stats_total = SpecDecodingStats(self.num_spec_tokens,
@@ -237,7 +241,8 @@ class Scheduler:
                 num_new_tokens = min(num_new_tokens, token_budget)
                 assert num_new_tokens > 0
                 new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, num_new_tokens, num_new_local_computed, computed_blocks
+                    request, num_new_tokens, num_new_local_computed, computed_blocks,
+                    num_lookahead_tokens=self.num_lookahead_tokens,
                 )
                 if new_blocks is None:
                     break
@@ -367,7 +372,8 @@ class Scheduler:
         """
         num_undone_reqs = num_undone_tokens = 0
         while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens,
+                                                              num_lookahead_tokens=self.num_lookahead_tokens)
             if new_blocks is not None:
                 return new_blocks, num_undone_reqs, num_undone_tokens
             victim = self._pop_preemption_victim()
@@ -445,8 +451,13 @@ class Scheduler:
                 else:
                     self.running.remove(request)
                 self._free_request(request)
-            elif new_token_ids and self.num_spec_tokens:
-                drafts = model_runner_output.draft_token_ids.get(req_id)
+            else:
+                if self.num_lookahead_tokens and not was_preempted:
+                    # Between steps a request holds the blocks of its computed tokens and of
+                    # the one after (the draft model fed it); the lookahead goes back. The
+                    # runner keeps the same count (ModelRunner._blocks_past_computed).
+                    self.kv_cache_manager.free_tail(request, request.num_computed_tokens + 1)
+                drafts = model_runner_output.draft_token_ids.get(req_id) if new_token_ids else None
                 if drafts and self._may_speculate(request):
                     request.spec_token_ids = drafts
             if new_token_ids or new_prompt_logprobs is not None or stopped:
@@ -474,7 +485,7 @@ class Scheduler:
         num_rejected = num_draft - num_accepted
         request.num_computed_tokens -= num_rejected
         if num_rejected:
-            self.kv_cache_manager.free_tail(request, request.num_computed_tokens)
+            self.kv_cache_manager.free_tail(request, request.num_computed_tokens + (self.num_lookahead_tokens > 0))
         self.spec_stats.observe_draft(num_draft, num_accepted)
         self.spec_stats_total.observe_draft(num_draft, num_accepted)
         # Decayed counts: roughly the last acceptance_window draft tokens.
