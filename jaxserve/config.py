@@ -180,7 +180,9 @@ class SpeculativeConfig:
     ``disable_by_batch_size``: no speculation while more requests than this run (vLLM's
     ``disable_by_batch_size``). ``min_acceptance``: a request whose drafts were accepted
     less than this fraction of the time (over its last ``acceptance_window`` draft
-    tokens) stops drafting: verification would cost more than it saves."""
+    tokens) stops drafting. ``adaptive_drafts``: each step keeps only the drafts whose
+    expected acceptance pays for their measured cost (see core/sched/spec_budget.py);
+    seeded sampling requests keep theirs, so their output does not depend on timing."""
 
     method: str
     num_speculative_tokens: int
@@ -190,6 +192,8 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     min_acceptance: float = 0.0
     acceptance_window: int = 32
+    # Verify only the drafts that raise measured output per second (core/sched/spec_budget.py).
+    adaptive_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:

@@ -17,6 +17,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import time
 
 import jax
 
@@ -66,7 +67,7 @@ class EngineCore:
             atexit.register(self.shutdown)
         self.schedulers = [
             Scheduler(config.scheduler_config, config.cache_config, self.model_runner.num_blocks,
-                      speculative_config=config.speculative_config)
+                      speculative_config=config.speculative_config, token_bucket=self.model_runner.token_buckets)
             for _ in range(pc.data_parallel_size)
         ]
         self.num_steps = 0  # steps that ran the model
@@ -147,8 +148,16 @@ class EngineCore:
             self.fault_injector.before_step(self.num_steps + 1)
         if self._channel is not None:
             self._channel.publish(outputs)  # the followers run the same step
+        t0 = time.perf_counter()
         runner_outputs = self.model_runner.execute_model(outputs)
+        elapsed = time.perf_counter() - t0
         self.num_steps += 1
+        if self.config.speculative_config is not None:  # what drafts cost (spec_budget.py)
+            num_tokens = max(so.total_num_scheduled_tokens for so in outputs)
+            verified = any(so.scheduled_spec_decode_tokens for so in outputs)
+            for sched in self.schedulers:
+                if sched.spec_budget is not None:
+                    sched.spec_budget.record(num_tokens, verified, elapsed)
         for sched, so, ro in zip(self.schedulers, outputs, runner_outputs):
             results += sched.update_from_output(so, ro)
         return results

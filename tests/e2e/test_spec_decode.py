@@ -10,7 +10,10 @@ from scipy.stats import chi2_contingency
 
 from jaxserve import LLM, SamplingParams
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+# adaptive_drafts off: these tests check exactness, and must speculate whatever the
+# step times (tests/core/test_spec_budget.py covers the budget).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
+         "adaptive_drafts": False}
 
 
 def make_llm(path, spec=None, **kw):
@@ -72,7 +75,8 @@ def test_draft_model_greedy_identity(tiny_models, draft):
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     small = dict(num_gpu_blocks_override=17)
     want = generate(make_llm(path, **small), ps, sp)
-    llm = make_llm(path, {"method": "draft_model", "model": str(draft_path), "num_speculative_tokens": 3}, **small)
+    llm = make_llm(path, {"method": "draft_model", "model": str(draft_path), "num_speculative_tokens": 3,
+                               "adaptive_drafts": False}, **small)
     got = generate(llm, ps, sp)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     m = llm.get_metrics()
@@ -152,7 +156,8 @@ def test_sampling_keeps_the_target_distribution(tiny_models):
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_zero_compiles_after_warmup_and_no_leaks(tiny_models, method):
     path = tiny_models("llama", kv_heads=2)
-    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3,
+                                                "adaptive_drafts": False}
     llm = make_llm(path, spec, enforce_eager=False, max_num_batched_tokens=64)
     rng = np.random.default_rng(0)
     ps = prompts()

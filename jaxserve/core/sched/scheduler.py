@@ -16,6 +16,7 @@ from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.kv_cache_utils import KVCacheBlock, PrefixCacheStats, cdiv, get_request_block_hasher
 from jaxserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxserve.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from jaxserve.core.sched.spec_budget import SpecDecodeBudget
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.request import Request, RequestStatus
 
@@ -85,7 +86,10 @@ class Scheduler:
         check_invariants: bool = False,
         structured_output_manager: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        token_bucket=None,
     ) -> None:
+        """token_bucket: the runner's padded token count for a count (speculative
+        decoding weighs drafts by the measured time of the bucket they lead to)."""
         self.scheduler_config = scheduler_config
         self.speculative_config = speculative_config
         self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
@@ -93,6 +97,8 @@ class Scheduler:
         # own guesses), and keeps its last token's: blocks for both (see free_tail below).
         draft_model = speculative_config is not None and speculative_config.method == "draft_model"
         self.num_lookahead_tokens = self.num_spec_tokens if draft_model else 0
+        self.spec_budget = (SpecDecodeBudget(token_bucket)
+                            if speculative_config is not None and speculative_config.adaptive_drafts else None)
         # Since the last make_stats() (for stat loggers), and since start (offline metrics).
         self.spec_stats = SpecDecodingStats(self.num_spec_tokens, num_accepted_tokens_per_pos=[0] * self.num_spec_tokens)
         self.spec_stats_total = SpecDecodingStats(self.num_spec_tokens,
@@ -183,6 +189,12 @@ class Scheduler:
         if sc is not None and sc.disable_by_batch_size is not None and len(self.running) > sc.disable_by_batch_size:
             for request in self.running:  # a big batch gains nothing from speculation
                 request.spec_token_ids = []
+        if self.spec_budget is not None:
+            drafting = [r for r in self.running if r.spec_token_ids]
+            if drafting:
+                remaining = [r.num_tokens - r.num_computed_tokens for r in self.running]
+                self.spec_budget.plan(drafting, min(sum(remaining), self.max_num_scheduled_tokens),
+                                      sum(1 for n in remaining if n == 1))
 
         # 1. Running requests, in order. Each needs its remaining tokens (1 when decoding)
         # plus its draft tokens, if it has any (speculative decoding).

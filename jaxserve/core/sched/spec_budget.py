@@ -1,0 +1,111 @@
+"""How many draft tokens a step should verify: as many as raise the step's expected
+output per second, judged from measured step times.
+
+Verifying d drafts costs d more tokens in the step. Where the step is bound by memory
+(small batches; GPUs and TPUs up to large batches) that is nearly free, and where it is
+bound by compute (a CPU at batch 64) it can cost more than the accepted drafts give
+back. So each step, the candidate drafts are ranked by their chance of being accepted
+(draft j of a request with acceptance rate a: a^j, all of drafts 1..j must hold), and
+the scheduler keeps the prefix that maximises
+
+    (tokens the step emits without drafts + expected accepted drafts) / step time,
+
+with the step time of a token count looked up in running averages of measured steps,
+by token bucket and by whether drafts were verified (verification samples S = k + 1
+rows per request). A bucket never measured is assumed to cost what the next smaller
+measured one does (else the next larger), so it gets tried and is then judged on its
+own time; with nothing measured yet every draft is tried.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+# Weight of a new measurement in a bucket's running average.
+EMA_WEIGHT = 0.2
+# Acceptance rate assumed for a request with no history (pulled toward it with this
+# many pseudo-drafts).
+PRIOR_ACCEPTANCE = 0.5
+PRIOR_WEIGHT = 2.0
+
+
+class SpecDecodeBudget:
+    def __init__(self, token_bucket: Callable[[int], int] | None) -> None:
+        self.token_bucket = token_bucket
+        self.costs: dict[tuple[int, bool], float] = {}  # (token bucket, verified drafts) -> seconds
+
+    def record(self, num_tokens: int, verified: bool, seconds: float) -> None:
+        """One step's measured time (its largest rank's scheduled tokens)."""
+        if self.token_bucket is None or num_tokens <= 0:
+            return
+        key = (self._bucket(num_tokens), verified)
+        old = self.costs.get(key)
+        self.costs[key] = seconds if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * seconds
+
+    def _bucket(self, n: int) -> int:
+        try:
+            return self.token_bucket(n)
+        except ValueError:  # past the largest bucket: the largest
+            return self.token_bucket(self.token_bucket.max)
+
+    def cost(self, num_tokens: int, verified: bool) -> float | None:
+        """Estimated seconds of a step with ``num_tokens`` tokens (None: nothing measured)."""
+        b = self._bucket(num_tokens)
+        if (b, verified) in self.costs:
+            return self.costs[(b, verified)]
+        smaller = [(k, c) for (k, v), c in self.costs.items() if v == verified and k <= b]
+        if smaller:
+            return max(smaller)[1]
+        larger = [(k, c) for (k, v), c in self.costs.items() if v == verified and k > b]
+        return min(larger)[1] if larger else None
+
+    @staticmethod
+    def acceptance(request) -> float:
+        return ((request.num_spec_accepted + PRIOR_WEIGHT * PRIOR_ACCEPTANCE)
+                / (request.num_spec_drafted + PRIOR_WEIGHT))
+
+    def plan(self, requests: list, base_tokens: int, base_outputs: int) -> int:
+        """Trim the ``requests``' spec_token_ids to the best prefix; returns the drafts
+        kept. base_tokens / base_outputs: the step's tokens and emitted tokens without
+        drafts (its running requests)."""
+        if self.token_bucket is None:
+            return sum(len(r.spec_token_ids) for r in requests)
+        # A seeded sampling request keeps all its drafts: which positions were drafted
+        # decides its random draws, and measured times must not change its output.
+        fixed = [r for r in requests if r.sampling_params.seed is not None and r.sampling_params.temperature > 0]
+        requests = [r for r in requests if not any(r is f for f in fixed)]
+        candidates = []  # (probability the draft is emitted, request)
+        for r in requests:
+            a = self.acceptance(r)
+            p = 1.0
+            for _ in r.spec_token_ids:
+                p *= a
+                candidates.append((p, id(r)))
+        num_fixed = sum(len(r.spec_token_ids) for r in fixed)
+        if not candidates:
+            return num_fixed
+        candidates.sort(key=lambda c: -c[0])
+        base_cost = self.cost(base_tokens, False)
+        best_d, best_rate = 0, None
+        if base_cost is not None:
+            best_rate = base_outputs / base_cost
+        elif any(v for _, v in self.costs):
+            # Verified steps are measured but not this size without drafts: measure it.
+            for r in requests:
+                r.spec_token_ids = []
+            return num_fixed
+        expected = float(base_outputs)
+        for d, (p, _) in enumerate(candidates, 1):
+            expected += p
+            c = self.cost(base_tokens + d, True)
+            if c is None:  # never verified drafts yet: try them all once
+                best_d = len(candidates)
+                break
+            rate = expected / c
+            if best_rate is None or rate > best_rate:
+                best_d, best_rate = d, rate
+        keep: dict[int, int] = {}
+        for _, rid in candidates[:best_d]:
+            keep[rid] = keep.get(rid, 0) + 1
+        for r in requests:  # candidates of a request are ranked in draft order
+            r.spec_token_ids = r.spec_token_ids[:keep.get(id(r), 0)]
+        return best_d + num_fixed

@@ -1,0 +1,63 @@
+"""SpecDecodeBudget: which drafts a step verifies, from measured step times."""
+from types import SimpleNamespace
+
+from jaxserve.core.sched.spec_budget import SpecDecodeBudget
+from jaxserve.runner.bucketing import BucketTable
+
+
+def req(drafts=4, accepted=0.0, drafted=0.0, seed=None, temperature=0.0):
+    return SimpleNamespace(spec_token_ids=list(range(100, 100 + drafts)), num_spec_accepted=accepted,
+                           num_spec_drafted=drafted, sampling_params=SimpleNamespace(seed=seed,
+                                                                                     temperature=temperature))
+
+
+def budget(costs):
+    b = SpecDecodeBudget(BucketTable((16, 32, 64, 128, 256, 512)))
+    for (tokens, verified), seconds in costs.items():
+        b.record(tokens, verified, seconds)
+    return b
+
+
+def test_nothing_measured_tries_every_draft():
+    rs = [req() for _ in range(4)]
+    assert SpecDecodeBudget(BucketTable((16, 64))).plan(rs, 4, 4) == 16
+    assert all(len(r.spec_token_ids) == 4 for r in rs)
+
+
+def test_compute_bound_big_batch_drops_drafts():
+    # 64 decodes fill bucket 64; drafts push to 256-512 tokens at 4x-8x the time.
+    b = budget({(64, False): 0.5, (64, True): 0.6, (256, True): 2.0, (512, True): 4.0, (128, True): 1.2})
+    rs = [req(accepted=7, drafted=10) for _ in range(64)]
+    assert b.plan(rs, 64, 64) == 0 and all(r.spec_token_ids == [] for r in rs)
+
+
+def test_free_padding_and_memory_bound_keep_drafts():
+    # 60 decodes: bucket 64 has 4 free slots, and verifying costs about the same there.
+    b = budget({(64, False): 0.5, (64, True): 0.52, (128, True): 1.5, (256, True): 3.0, (512, True): 6.0})
+    rs = [req(accepted=9, drafted=10) for _ in range(60)]
+    assert b.plan(rs, 60, 60) == 4
+    assert sum(len(r.spec_token_ids) for r in rs) == 4 and max(len(r.spec_token_ids) for r in rs) == 1
+    # One request (a batch of 1): its 4 drafts fit bucket 16's padding.
+    b = budget({(16, False): 0.1, (16, True): 0.11})
+    rs = [req()]
+    assert b.plan(rs, 1, 1) == 4
+
+
+def test_prefers_likely_drafts_and_explores_the_base_cost():
+    b = budget({(16, False): 0.1, (16, True): 0.1, (32, True): 0.3})
+    good, bad = req(accepted=9.5, drafted=10), req(accepted=0, drafted=10)
+    # 2 decodes + up to 14 drafts stay in bucket 16: all kept (free). Past it, 3x the time.
+    assert b.plan([good, bad], 2, 2) == 8
+    good, bad = req(drafts=10, accepted=9.5, drafted=10), req(drafts=10, accepted=0, drafted=10)
+    b.plan([good, bad], 2, 2)
+    assert len(good.spec_token_ids) == 10 and len(bad.spec_token_ids) == 4  # 16 tokens: good first
+    b = budget({(64, True): 0.5})  # verified steps measured, this size without drafts never: measure it
+    rs = [req() for _ in range(64)]
+    assert b.plan(rs, 64, 64) == 0
+
+
+def test_seeded_sampling_keeps_its_drafts():
+    b = budget({(64, False): 0.5, (512, True): 4.0})
+    seeded, greedy = req(seed=1, temperature=0.8), req()
+    b.plan([seeded, greedy] + [req() for _ in range(62)], 64, 64)
+    assert len(seeded.spec_token_ids) == 4 and greedy.spec_token_ids == []
