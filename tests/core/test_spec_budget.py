@@ -51,9 +51,26 @@ def test_prefers_likely_drafts_and_explores_the_base_cost():
     good, bad = req(drafts=10, accepted=9.5, drafted=10), req(drafts=10, accepted=0, drafted=10)
     b.plan([good, bad], 2, 2)
     assert len(good.spec_token_ids) == 10 and len(bad.spec_token_ids) == 4  # 16 tokens: good first
-    b = budget({(64, True): 0.5})  # verified steps measured, this size without drafts never: measure it
+    # Only (64, verified) measured: the base is estimated from it, bucket 128 linearly
+    # (twice the time) for drafts accepted half the time: none.
+    b = budget({(64, True): 0.5})
     rs = [req() for _ in range(64)]
     assert b.plan(rs, 64, 64) == 0
+
+
+def test_explores_the_next_bucket_now_and_then():
+    from jaxserve.core.sched.spec_budget import EXPLORE_EVERY
+
+    b = budget({(64, False): 0.5, (64, True): 0.5})
+    kept = []
+    for _ in range(EXPLORE_EVERY):
+        rs = [req(accepted=8, drafted=10) for _ in range(64)]
+        kept.append(b.plan(rs, 64, 64))
+    # Bucket 128 (unmeasured) is estimated at twice bucket 64: skipped, except on the
+    # exploring step, where it counts as free and its 64 slots take the 64 likeliest drafts.
+    assert kept[:-1] == [0] * (EXPLORE_EVERY - 1) and kept[-1] == 64
+    b.record(128, True, 0.55)  # measured: nearly free (a memory-bound device), so drafts stay
+    assert b.plan([req(accepted=8, drafted=10) for _ in range(64)], 64, 64) == 64
 
 
 def test_seeded_sampling_keeps_its_drafts():

@@ -12,9 +12,10 @@ the scheduler keeps the prefix that maximises
 
 with the step time of a token count looked up in running averages of measured steps,
 by token bucket and by whether drafts were verified (verification samples S = k + 1
-rows per request). A bucket never measured is assumed to cost what the next smaller
-measured one does (else the next larger), so it gets tried and is then judged on its
-own time; with nothing measured yet every draft is tried.
+rows per request). A bucket never measured is estimated from the nearest measured one,
+linearly in tokens (as if compute-bound); every EXPLORE_EVERY steps the next bucket up
+is tried as if it cost what the base does, and is then judged on its own measured time.
+With nothing measured yet every draft is tried.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from collections.abc import Callable
 
 # Weight of a new measurement in a bucket's running average.
 EMA_WEIGHT = 0.2
+# Every this many steps with drafts, the next bucket up is tried as if it were free.
+EXPLORE_EVERY = 64
 # Acceptance rate assumed for a request with no history (pulled toward it with this
 # many pseudo-drafts).
 PRIOR_ACCEPTANCE = 0.5
@@ -32,6 +35,10 @@ class SpecDecodeBudget:
     def __init__(self, token_bucket: Callable[[int], int] | None) -> None:
         self.token_bucket = token_bucket
         self.costs: dict[tuple[int, bool], float] = {}  # (token bucket, verified drafts) -> seconds
+        self._num_plans = 0
+
+    def _next_bucket(self, b: int) -> int:
+        return self._bucket(min(b + 1, self.token_bucket.max))
 
     def record(self, num_tokens: int, verified: bool, seconds: float) -> None:
         """One step's measured time (its largest rank's scheduled tokens)."""
@@ -48,15 +55,18 @@ class SpecDecodeBudget:
             return self.token_bucket(self.token_bucket.max)
 
     def cost(self, num_tokens: int, verified: bool) -> float | None:
-        """Estimated seconds of a step with ``num_tokens`` tokens (None: nothing measured)."""
+        """Estimated seconds of a step with ``num_tokens`` tokens (None: nothing measured).
+        An unmeasured bucket scales the nearest measured one (of the same kind if any)
+        linearly in tokens, as a compute-bound step would."""
         b = self._bucket(num_tokens)
         if (b, verified) in self.costs:
             return self.costs[(b, verified)]
-        smaller = [(k, c) for (k, v), c in self.costs.items() if v == verified and k <= b]
-        if smaller:
-            return max(smaller)[1]
-        larger = [(k, c) for (k, v), c in self.costs.items() if v == verified and k > b]
-        return min(larger)[1] if larger else None
+        for kind in (verified, not verified):
+            known = [(abs(k - b), k, c) for (k, v), c in self.costs.items() if v == kind]
+            if known:
+                _, k, c = min(known)
+                return c * b / k
+        return None
 
     @staticmethod
     def acceptance(request) -> float:
@@ -85,23 +95,23 @@ class SpecDecodeBudget:
             return num_fixed
         candidates.sort(key=lambda c: -c[0])
         base_cost = self.cost(base_tokens, False)
-        best_d, best_rate = 0, None
-        if base_cost is not None:
-            best_rate = base_outputs / base_cost
-        elif any(v for _, v in self.costs):
-            # Verified steps are measured but not this size without drafts: measure it.
-            for r in requests:
-                r.spec_token_ids = []
-            return num_fixed
+        if base_cost is None:  # nothing measured yet: try every draft once
+            return sum(len(r.spec_token_ids) for r in requests) + num_fixed
+        best_d, best_rate = 0, base_outputs / base_cost
+        # Now and then the bucket above the base is assumed as cheap as the base's: tried,
+        # measured, and kept only if it pays (memory-bound devices verify drafts nearly
+        # for free, which the linear estimate would never find out).
+        self._num_plans += 1
+        base_bucket = self._bucket(base_tokens)
+        explore_to = self._next_bucket(base_bucket) if self._num_plans % EXPLORE_EVERY == 0 else base_bucket
         expected = float(base_outputs)
         for d, (p, _) in enumerate(candidates, 1):
             expected += p
-            c = self.cost(base_tokens + d, True)
-            if c is None:  # never verified drafts yet: try them all once
-                best_d = len(candidates)
-                break
+            tokens = base_tokens + d
+            b = self._bucket(tokens)
+            c = self.cost(base_tokens, True) if base_bucket < b <= explore_to else self.cost(tokens, True)
             rate = expected / c
-            if best_rate is None or rate > best_rate:
+            if rate > best_rate:
                 best_d, best_rate = d, rate
         keep: dict[int, int] = {}
         for _, rid in candidates[:best_d]:
