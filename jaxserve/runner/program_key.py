@@ -44,16 +44,10 @@ class PromptLogprobsKey:
 
 
 @dataclass(frozen=True, slots=True)
-class VerifyKey:
+class VerifyKey(SampleKey):
     """Logits at every draft position + rejection sampling (speculative decoding) for a
-    request bucket; the same variants as SampleKey."""
-
-    num_reqs: int
-    greedy_only: bool
-    use_penalties: bool
-
-    def static_args(self) -> dict:
-        return asdict(self)
+    request bucket; the same variants as SampleKey (never equal to one: dataclass
+    equality compares the class)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,16 +26,12 @@ import jax.numpy as jnp
 
 from jaxserve.sample.metadata import SamplingMetadata
 from jaxserve.sample.sampler import (
-    apply_grammar_bitmask, apply_min_tokens, apply_penalties, apply_top_k_top_p_min_p, compute_logprobs, fast_argmax,
+    apply_grammar_bitmask, apply_min_tokens, apply_penalties, compute_logprobs, fast_argmax, inverse_cdf_draw,
+    temper_and_filter, uniform_per_row,
 )
 
 # Salt of the acceptance test's random stream (independent of the draws').
 _ACCEPT_SALT = 0x5BD1E995
-
-
-def _uniform(seeds, positions):
-    """One uniform in (0, 1] per row from key(seed) folded with the position."""
-    return 1.0 - jax.vmap(lambda s, p: jax.random.uniform(jax.random.fold_in(jax.random.key(s), p)))(seeds, positions)
 
 
 def rejection_sample(logits, draft_token_ids, num_draft_tokens, md: SamplingMetadata, *, greedy_only: bool,
@@ -62,22 +58,15 @@ def rejection_sample(logits, draft_token_ids, num_draft_tokens, md: SamplingMeta
     if greedy_only:
         accept, target = drafts == greedy_tokens, greedy_tokens
     else:
-        is_greedy = per_row.temperature <= 0.0
-        temp = jnp.where(is_greedy, 1.0, per_row.temperature)
-        tempered = logits / temp[:, None]
-        filtered = (per_row.top_k > 0) | (per_row.top_p < 1.0) | (per_row.min_p > 0.0)
-        tempered = jnp.where(filtered[:, None], apply_top_k_top_p_min_p(tempered, per_row), tempered)
+        is_greedy, tempered = temper_and_filter(logits, per_row)
         probs = jax.nn.softmax(tempered, axis=-1)
         safe_drafts = jnp.maximum(drafts, 0)
         p_draft = jnp.take_along_axis(probs, safe_drafts[:, None], axis=-1)[:, 0]
-        accept_random = p_draft >= _uniform(per_row.seeds ^ jnp.uint32(_ACCEPT_SALT), positions)
+        accept_random = p_draft >= uniform_per_row(per_row.seeds ^ jnp.uint32(_ACCEPT_SALT), positions)
         # The token emitted where the draft is rejected (or the bonus): p without the draft.
         vocab = jnp.arange(probs.shape[1], dtype=jnp.int32)
         q = jnp.where(has_draft[:, None] & (vocab[None, :] == safe_drafts[:, None]), 0.0, probs)
-        cdf = jnp.cumsum(q, axis=-1)
-        u = _uniform(per_row.seeds, positions)
-        drawn = jnp.minimum(jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32),
-                            probs.shape[1] - 1)
+        drawn = inverse_cdf_draw(q, uniform_per_row(per_row.seeds, positions))
         accept = jnp.where(is_greedy, drafts == greedy_tokens, accept_random)
         target = jnp.where(is_greedy, greedy_tokens, drawn)
     accept = (accept & has_draft).reshape(r, s)

@@ -111,6 +111,29 @@ def compute_logprobs(logits, sampled, num_logprobs: int):
     return ids, lps, rank
 
 
+def temper_and_filter(logits, md: SamplingMetadata):
+    """-> (is_greedy [R], logits [R, V] divided by the temperature (greedy rows: by 1)
+    with min-p / top-k / top-p applied to the rows that use them)."""
+    is_greedy = md.temperature <= 0.0
+    tempered = logits / jnp.where(is_greedy, 1.0, md.temperature)[:, None]
+    filtered = (md.top_k > 0) | (md.top_p < 1.0) | (md.min_p > 0.0)
+    return is_greedy, jnp.where(filtered[:, None], apply_top_k_top_p_min_p(tempered, md), tempered)
+
+
+def uniform_per_row(seeds, positions):
+    """[R] uniforms in (0, 1] from key(seed) folded with the output position. Not 0:
+    inverse_cdf_draw would then pick token 0 even when it is masked."""
+    return 1.0 - jax.vmap(lambda s, p: jax.random.uniform(jax.random.fold_in(jax.random.key(s), p)))(seeds, positions)
+
+
+def inverse_cdf_draw(weights, u):
+    """weights [R, V] >= 0 (need not sum to 1), u [R] in (0, 1] -> [R] int32: the first
+    token whose running total reaches u * the row's total (it has positive weight)."""
+    cdf = jnp.cumsum(weights, axis=-1)
+    drawn = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
+    return jnp.minimum(drawn, weights.shape[1] - 1)
+
+
 def sample(logits, md: SamplingMetadata, *, greedy_only: bool, use_penalties: bool, num_logprobs: int):
     """logits: [R, V] f32 -> (sampled [R] int32, logprob ids [R, k+1], logprobs [R, k+1], ranks [R])."""
     logits = apply_grammar_bitmask(logits, md.allowed_token_bitmask)
@@ -122,20 +145,11 @@ def sample(logits, md: SamplingMetadata, *, greedy_only: bool, use_penalties: bo
     if greedy_only:
         sampled = greedy_tokens
     else:
-        is_greedy = md.temperature <= 0.0
-        temp = jnp.where(is_greedy, 1.0, md.temperature)
-        tempered = logits / temp[:, None]
-        filtered = (md.top_k > 0) | (md.top_p < 1.0) | (md.min_p > 0.0)
-        tempered = jnp.where(filtered[:, None], apply_top_k_top_p_min_p(tempered, md), tempered)
+        is_greedy, tempered = temper_and_filter(logits, md)
         # Inverse-CDF draw: one uniform number per row (cheaper than Gumbel noise over
         # the vocabulary), from a key that depends only on the request's seed and position.
-        # u in (0, 1]: with u = 0 the count below would pick token 0 even when it is masked.
-        u = 1.0 - jax.vmap(lambda seed, pos: jax.random.uniform(jax.random.fold_in(jax.random.key(seed), pos)))(
-            md.seeds, md.output_pos)
-        cdf = jnp.cumsum(jax.nn.softmax(tempered, axis=-1), axis=-1)
-        # The first token whose cdf reaches u * total: it has positive probability.
-        random_tokens = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
-        random_tokens = jnp.minimum(random_tokens, logits.shape[1] - 1)
+        u = uniform_per_row(md.seeds, md.output_pos)
+        random_tokens = inverse_cdf_draw(jax.nn.softmax(tempered, axis=-1), u)
         sampled = jnp.where(is_greedy, greedy_tokens, random_tokens)
     ids, lps, ranks = compute_logprobs(raw, sampled, num_logprobs)
     return sampled, ids, lps, ranks

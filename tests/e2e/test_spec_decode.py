@@ -203,3 +203,23 @@ def test_default_model_greedy_identity():
     got = [o.outputs[0].token_ids for o in llm.chat(chats, sp, use_tqdm=False)]
     assert got == want
     assert llm.get_metrics()["spec_decode"]["mean_acceptance_length"] > 1.5
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(__import__("jax").devices()) < 4, reason="needs 4 host devices (tests/conftest.py)")
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_data_and_tensor_parallel(tiny_models, method):
+    """dp 2 x tp 2: each rank verifies its own requests' drafts (and runs its share of the
+    draft model): the tokens of one device without speculation."""
+    path = tiny_models("llama", kv_heads=2)
+    ps = prompts()
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in generate(make_llm(path), ps, sp)]
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3,
+                                            "adaptive_drafts": False}
+    llm = make_llm(path, spec, data_parallel_size=2, tensor_parallel_size=2)
+    assert [o.token_ids for o in generate(llm, ps, sp)] == want
+    m = llm.get_metrics()["spec_decode"]
+    assert m["num_accepted_tokens"] > 10, m
+    if method == "draft_model":
+        assert m["acceptance_rate"] == 1.0, m
