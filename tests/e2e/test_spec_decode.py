@@ -48,8 +48,8 @@ def test_greedy_identity(tiny_models, arch, kw):
     of 16 blocks for 6 requests): the same tokens and logprobs as without speculation."""
     path = tiny_models(arch, **kw)
     ps = prompts()
-    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
-    small = dict(num_gpu_blocks_override=17)
+    sp = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True, logprobs=2)
+    small = dict(num_gpu_blocks_override=15)
     want = generate(make_llm(path, **small), ps, sp)
     llm = make_llm(path, NGRAM, **small)
     got = generate(llm, ps, sp)
@@ -59,7 +59,7 @@ def test_greedy_identity(tiny_models, arch, kw):
             assert dw.keys() == dg.keys()
             assert all(abs(dw[t].logprob - dg[t].logprob) < 1e-4 and dw[t].rank == dg[t].rank for t in dw)
     m = llm.get_metrics()
-    assert m["spec_decode"]["num_accepted_tokens"] > 20, m  # speculation did run
+    assert m["spec_decode"]["num_accepted_tokens"] > 10, m  # speculation did run
     assert m["num_preemptions"] > 0, m
     assert m["num_steps"] < sum(len(w.token_ids) for w in want) / len(want) * 2
 
@@ -127,7 +127,7 @@ def test_sampling_keeps_the_target_distribution(tiny_models):
     a sampler biased toward drafts would show it here."""
     path = tiny_models("llama", kv_heads=2)
     p = prompts()[2]
-    n = 1200
+    n = 800
     sps = [SamplingParams(temperature=1.0, top_k=3, max_tokens=2, ignore_eos=True, seed=i) for i in range(n)]
     base = make_llm(path, max_num_seqs=64, max_num_batched_tokens=256)
     want = [tuple(o.token_ids) for o in generate(base, [p] * n, sps)]
@@ -153,11 +153,10 @@ def test_sampling_keeps_the_target_distribution(tiny_models):
     assert pvalue > 1e-3, (outcomes, table)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_zero_compiles_after_warmup_and_no_leaks(tiny_models, method):
+def test_zero_compiles_after_warmup_and_no_leaks(tiny_models):
+    """With a draft model: every program speculation adds (VerifyKey, DraftKey) is warm."""
     path = tiny_models("llama", kv_heads=2)
-    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3,
-                                                "adaptive_drafts": False}
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3, "adaptive_drafts": False}
     llm = make_llm(path, spec, enforce_eager=False, max_num_batched_tokens=64)
     rng = np.random.default_rng(0)
     ps = prompts()
@@ -193,9 +192,8 @@ def test_zero_compiles_after_warmup_and_no_leaks(tiny_models, method):
 def test_default_model_greedy_identity():
     code = "def add(a, b):\n    total = a + b\n    return total\n"
     chats = [[{"role": "user", "content": f"Rename `total` to `result` and return the whole code:\n\n{code}"}],
-             [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}],
              [{"role": "user", "content": "What is the capital of France?"}]]
-    sp = SamplingParams(temperature=0.0, max_tokens=48)
+    sp = SamplingParams(temperature=0.0, max_tokens=32)
     kw = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, progress=False, enforce_eager=True)
     want = [o.outputs[0].token_ids for o in LLM(None, **kw).chat(chats, sp, use_tqdm=False)]
     llm = LLM(None, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
@@ -207,10 +205,10 @@ def test_default_model_greedy_identity():
 
 @pytest.mark.slow
 @pytest.mark.skipif(len(__import__("jax").devices()) < 4, reason="needs 4 host devices (tests/conftest.py)")
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_data_and_tensor_parallel(tiny_models, method):
-    """dp 2 x tp 2: each rank verifies its own requests' drafts (and runs its share of the
-    draft model): the tokens of one device without speculation."""
+def test_data_and_tensor_parallel(tiny_models):
+    """dp 2 x tp 2 with a draft model: each rank verifies its own requests' drafts and
+    runs its share of the draft model: the tokens of one device without speculation."""
+    method = "draft_model"
     path = tiny_models("llama", kv_heads=2)
     ps = prompts()
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -73,11 +73,12 @@ def test_without_drafts_it_is_the_plain_sampler():
     n, k = 64, 3
     logits = rng.normal(0, 2, (n, V)).astype(np.float32)
     md = metadata(n, temperature=0.7)
-    plain, *_ = sample(jnp.asarray(logits), md, greedy_only=False, use_penalties=False, num_logprobs=0)
+    plain, *_ = jax.jit(lambda lg, m: sample(lg, m, greedy_only=False, use_penalties=False, num_logprobs=0))(
+        jnp.asarray(logits), md)
     rows = np.repeat(logits, k + 1, axis=0)
-    tokens, emitted, *_ = rejection_sample(jnp.asarray(rows), jnp.full((n, k), -1, jnp.int32),
-                                           jnp.zeros(n, jnp.int32), md, greedy_only=False, use_penalties=False,
-                                           num_logprobs=0)
+    tokens, emitted, *_ = jax.jit(lambda lg, m: rejection_sample(
+        lg, jnp.full((n, k), -1, jnp.int32), jnp.zeros(n, jnp.int32), m, greedy_only=False, use_penalties=False,
+        num_logprobs=0))(jnp.asarray(rows), md)
     assert np.array_equal(np.asarray(tokens)[:, 0], np.asarray(plain)) and np.all(np.asarray(emitted) == 1)
 
 
@@ -89,7 +90,8 @@ def test_greedy_accepts_exactly_the_argmax_run():
             logits[r * 4 + j, argmax[r][j]] = 5.0
     drafts = np.array([[3, 4, 5], [3, 9, 5], [2, 1, 1]], np.int32)
     md = metadata(3, temperature=0.0)
-    tokens, emitted, *_ = rejection_sample(jnp.asarray(logits), jnp.asarray(drafts), jnp.array([3, 3, 2], jnp.int32),
-                                           md, greedy_only=True, use_penalties=False, num_logprobs=0)
+    tokens, emitted, *_ = jax.jit(lambda lg, d, m: rejection_sample(
+        lg, d, jnp.array([3, 3, 2], jnp.int32), m, greedy_only=True, use_penalties=False, num_logprobs=0))(
+        jnp.asarray(logits), jnp.asarray(drafts), md)
     assert np.asarray(tokens).tolist() == [[3, 4, 5, 6], [3, 4, -1, -1], [1, -1, -1, -1]]
     assert np.asarray(emitted).tolist() == [4, 2, 1]

@@ -227,7 +227,7 @@ def test_offline_engine_recovers_from_a_failed_step(tiny_model_dir):
     from jaxserve import LLM
     from jaxserve.engine.fault_injection import InjectedFault
 
-    llm = LLM(model=str(tiny_model_dir), **TINY_ENGINE_ARGS)
+    llm = LLM(model=str(tiny_model_dir), **TINY_ENGINE_ARGS, enforce_eager=True, progress=False)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = ["w5 w6", "w7 w8 w9", "w300"]
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

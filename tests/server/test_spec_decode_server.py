@@ -14,9 +14,12 @@ from tests.server.test_openai_api import metric
 
 @pytest.fixture(scope="module")
 def spec_server(tiny_model_dir):
+    # Eager: compiles only what the test runs (the warm-up of every program is tested offline).
     llm = AsyncLLM.from_engine_args(EngineArgs(
-        model=str(tiny_model_dir), **TINY_ENGINE_ARGS,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}), progress=False)
+        model=str(tiny_model_dir), **TINY_ENGINE_ARGS, enforce_eager=True,
+        # adaptive_drafts off: compiling on demand makes the first verified steps look slow.
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                            "adaptive_drafts": False}), progress=False)
     srv = RunningServer(build_app(llm, "tiny"))
     yield srv
     srv.stop()
