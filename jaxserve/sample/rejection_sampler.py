@@ -26,8 +26,7 @@ import jax.numpy as jnp
 
 from jaxserve.sample.metadata import SamplingMetadata
 from jaxserve.sample.sampler import (
-    apply_grammar_bitmask, apply_min_tokens, apply_penalties, compute_logprobs, fast_argmax, inverse_cdf_draw,
-    temper_and_filter, uniform_per_row,
+    compute_logprobs, fast_argmax, inverse_cdf_draw, process_logits, temper_and_filter, uniform_per_row,
 )
 
 # Salt of the acceptance test's random stream (independent of the draws').
@@ -49,11 +48,7 @@ def rejection_sample(logits, draft_token_ids, num_draft_tokens, md: SamplingMeta
     has_draft = col < jnp.repeat(num_draft_tokens, s)
     positions = per_row.output_pos + col
 
-    logits = apply_grammar_bitmask(logits, per_row.allowed_token_bitmask)
-    raw = logits
-    logits = apply_min_tokens(logits, per_row)
-    if use_penalties:
-        logits = apply_penalties(logits, per_row)
+    raw, logits = process_logits(logits, per_row, use_penalties=use_penalties)
     greedy_tokens = fast_argmax(logits)
     if greedy_only:
         accept, target = drafts == greedy_tokens, greedy_tokens

@@ -134,13 +134,19 @@ def inverse_cdf_draw(weights, u):
     return jnp.minimum(drawn, weights.shape[1] - 1)
 
 
-def sample(logits, md: SamplingMetadata, *, greedy_only: bool, use_penalties: bool, num_logprobs: int):
-    """logits: [R, V] f32 -> (sampled [R] int32, logprob ids [R, k+1], logprobs [R, k+1], ranks [R])."""
-    logits = apply_grammar_bitmask(logits, md.allowed_token_bitmask)
-    raw = logits
-    logits = apply_min_tokens(logits, md)
+def process_logits(logits, md: SamplingMetadata, *, use_penalties: bool):
+    """The steps before any draw, in vLLM's order -> (raw: grammar-masked logits, whose
+    log-softmax the logprobs report; processed: with min_tokens bans and penalties)."""
+    raw = apply_grammar_bitmask(logits, md.allowed_token_bitmask)
+    logits = apply_min_tokens(raw, md)
     if use_penalties:
         logits = apply_penalties(logits, md)
+    return raw, logits
+
+
+def sample(logits, md: SamplingMetadata, *, greedy_only: bool, use_penalties: bool, num_logprobs: int):
+    """logits: [R, V] f32 -> (sampled [R] int32, logprob ids [R, k+1], logprobs [R, k+1], ranks [R])."""
+    raw, logits = process_logits(logits, md, use_penalties=use_penalties)
     greedy_tokens = fast_argmax(logits)
     if greedy_only:
         sampled = greedy_tokens

@@ -105,19 +105,15 @@ def test_stop_rules_inside_accepted_runs(tiny_models):
     sps = []
     for cut in cuts:
         tok = full.token_ids[cut]
-        first = full.token_ids.index(tok)
         sps += [SamplingParams(temperature=0.0, max_tokens=cut, ignore_eos=True),
                 SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[tok]),
                 SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[f"w{tok}"])]
-    for llm_ in (base, llm):
-        outs = [o.outputs[0] for o in llm_.generate([{"prompt_token_ids": p}] * len(sps), sps, use_tqdm=False)]
-        if llm_ is base:
-            want = outs
-    for w, g, sp in zip(want, outs, sps):
+    want, got = ([o.outputs[0] for o in e.generate([{"prompt_token_ids": p}] * len(sps), sps, use_tqdm=False)]
+                 for e in (base, llm))
+    for w, g, sp in zip(want, got, sps):
         assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == (w.token_ids, w.text, w.finish_reason,
                                                                          w.stop_reason), sp
     assert any(len(w.token_ids) < 40 and w.finish_reason == "stop" for w in want)
-    del first
 
 
 def test_sampling_keeps_the_target_distribution(tiny_models):
