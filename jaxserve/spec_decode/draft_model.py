@@ -157,6 +157,9 @@ class DraftModelProposer:
         drafts = np.asarray(jax.device_get(drafts))
         out = []
         for rank, step in enumerate(steps):
+            if step.done is None:  # a rank with nothing scheduled
+                out.append({})
+                continue
             ib = r.input_batches[rank]
             base = rank * rmax
             out.append({step.req_ids[i]: drafts[base + i].tolist() for i in np.flatnonzero(step.done)
