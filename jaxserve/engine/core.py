@@ -132,11 +132,7 @@ class EngineCore:
         """Speculative decoding counters since start, all ranks together (None without it)."""
         if self.config.speculative_config is None:
             return None
-        total = dataclasses.replace(self.schedulers[0].spec_stats_total, num_accepted_tokens_per_pos=list(
-            self.schedulers[0].spec_stats_total.num_accepted_tokens_per_pos))
-        for s in self.schedulers[1:]:
-            total.add(s.spec_stats_total)
-        return total
+        return SpecDecodingStats.merged([s.spec_stats_total for s in self.schedulers])
 
     def step(self) -> list[EngineCoreOutput]:
         outputs = [s.schedule() for s in self.schedulers]
@@ -171,10 +167,7 @@ def combine_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     pcs = PrefixCacheStats(**counters, reset=any(s.prefix_cache_stats.reset for s in stats))
     spec = None
     if stats[0].spec_decoding_stats is not None:
-        spec = dataclasses.replace(stats[0].spec_decoding_stats, num_accepted_tokens_per_pos=list(
-            stats[0].spec_decoding_stats.num_accepted_tokens_per_pos))
-        for s in stats[1:]:
-            spec.add(s.spec_decoding_stats)
+        spec = SpecDecodingStats.merged([s.spec_decoding_stats for s in stats])
     return SchedulerStats(
         num_running_reqs=sum(s.num_running_reqs for s in stats), num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
         kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats), prefix_cache_stats=pcs,

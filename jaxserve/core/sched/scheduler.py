@@ -38,6 +38,18 @@ class SpecDecodingStats:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+
+    @classmethod
+    def merged(cls, stats: "list[SpecDecodingStats]") -> "SpecDecodingStats":
+        """A new counter holding the sum of ``stats`` (data-parallel ranks)."""
+        total = cls(stats[0].num_spec_tokens)
+        for s in stats:
+            total.add(s)
+        return total
+
     def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
@@ -100,9 +112,8 @@ class Scheduler:
         self.spec_budget = (SpecDecodeBudget(token_bucket)
                             if speculative_config is not None and speculative_config.adaptive_drafts else None)
         # Since the last make_stats() (for stat loggers), and since start (offline metrics).
-        self.spec_stats = SpecDecodingStats(self.num_spec_tokens, num_accepted_tokens_per_pos=[0] * self.num_spec_tokens)
-        self.spec_stats_total = SpecDecodingStats(self.num_spec_tokens,
-                                                  num_accepted_tokens_per_pos=[0] * self.num_spec_tokens)
+        self.spec_stats = SpecDecodingStats(self.num_spec_tokens)
+        self.spec_stats_total = SpecDecodingStats(self.num_spec_tokens)
         self.cache_config = cache_config
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
@@ -552,8 +563,7 @@ class Scheduler:
         spec_stats = None
         if self.speculative_config is not None:
             spec_stats = self.spec_stats
-            self.spec_stats = SpecDecodingStats(self.num_spec_tokens,
-                                                num_accepted_tokens_per_pos=[0] * self.num_spec_tokens)
+            self.spec_stats = SpecDecodingStats(self.num_spec_tokens)
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),

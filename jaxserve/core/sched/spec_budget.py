@@ -81,8 +81,11 @@ class SpecDecodeBudget:
             return sum(len(r.spec_token_ids) for r in requests)
         # A seeded sampling request keeps all its drafts: which positions were drafted
         # decides its random draws, and measured times must not change its output.
-        fixed = [r for r in requests if r.sampling_params.seed is not None and r.sampling_params.temperature > 0]
-        requests = [r for r in requests if not any(r is f for f in fixed)]
+        fixed, free = [], []
+        for r in requests:
+            sp = r.sampling_params
+            (fixed if sp.seed is not None and sp.temperature > 0 else free).append(r)
+        requests = free
         candidates = []  # (probability the draft is emitted, request)
         for r in requests:
             a = self.acceptance(r)
