@@ -113,6 +113,24 @@ class InputBatch:
         self.block_table[i, start : start + len(block_ids)] = block_ids
         self.num_blocks[i] = start + len(block_ids)
 
+    def fill_ragged(self, rows: np.ndarray, start: np.ndarray, n: np.ndarray, block_size: int, cu: np.ndarray,
+                    input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray):
+        """Lay out ``n[i]`` tokens of ``rows[i]`` from position ``start[i]`` one request
+        after the other (the ragged layout of a step): fills cu [Rmax+1] (query start
+        offsets; past the requests, the total), and the first sum(n) entries of
+        input_ids, positions and slot_mapping (views of the padded step arrays).
+        Returns (tok_rows, pos): each token's row and position."""
+        num_reqs, total = len(rows), int(n.sum())
+        np.cumsum(n, out=cu[1:num_reqs + 1])
+        cu[num_reqs + 1:] = total
+        tok_req = np.repeat(np.arange(num_reqs), n)
+        tok_rows = rows[tok_req]
+        pos = (start[tok_req] + np.arange(total) - cu[tok_req]).astype(np.int32)
+        input_ids[:total] = self.token_ids[tok_rows, pos]
+        positions[:total] = pos
+        slot_mapping[:total] = self.block_table[tok_rows, pos // block_size] * block_size + pos % block_size
+        return tok_rows, pos
+
     def output_token_ids(self, i: int) -> list[int]:
         return self.token_ids[i, self.num_prompt_tokens[i] : self.num_tokens[i]].tolist()
 

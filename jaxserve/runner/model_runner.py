@@ -458,17 +458,9 @@ class ModelRunner:
         its RankStep and, if a row wants prompt logprobs, the targets of its tokens."""
         num_reqs = len(req_ids)
         n = np.fromiter(so.num_scheduled_tokens.values(), np.int32, num_reqs)
-        total = int(n.sum())
-        bs = self.block_size
         computed = ib.num_computed_tokens[rows]
-        np.cumsum(n, out=cu[1 : num_reqs + 1])
-        cu[num_reqs + 1 :] = total
-        tok_req = np.repeat(np.arange(num_reqs), n)
-        tok_rows = rows[tok_req]
-        pos = (computed[tok_req] + np.arange(total) - cu[tok_req]).astype(np.int32)
-        input_ids[:total] = ib.token_ids[tok_rows, pos]
-        positions[:total] = pos
-        slot_mapping[:total] = ib.block_table[tok_rows, pos // bs] * bs + pos % bs  # padding: null block
+        # Padding past the tokens stays 0: the null block's slot.
+        tok_rows, pos = ib.fill_ragged(rows, computed, n, self.block_size, cu, input_ids, positions, slot_mapping)
         seq_lens[:num_reqs] = computed + n
         block_tables[:num_reqs] = ib.block_table[rows]
         # S rows per request: its last d + 1 positions (the token before its drafts, then

@@ -133,17 +133,10 @@ class DraftModelProposer:
             ib = r.input_batches[rank]
             rows, (start, end) = step.rows, feed
             n = (end - start).astype(np.int32)
-            num_reqs, total = len(rows), int(n.sum())
-            tok = slice(rank * t, rank * t + total)
+            num_reqs = len(rows)
+            tok = slice(rank * t, (rank + 1) * t)
             cu = md.query_start_loc[rank * (rmax + 1):(rank + 1) * (rmax + 1)]
-            np.cumsum(n, out=cu[1:num_reqs + 1])
-            cu[num_reqs + 1:] = total
-            tok_req = np.repeat(np.arange(num_reqs), n)
-            pos = (start[tok_req] + np.arange(total) - cu[tok_req]).astype(np.int32)
-            tok_rows = rows[tok_req]
-            input_ids[tok] = ib.token_ids[tok_rows, pos]
-            positions[tok] = pos
-            md.slot_mapping[tok] = ib.block_table[tok_rows, pos // bs] * bs + pos % bs
+            ib.fill_ragged(rows, start, n, bs, cu, input_ids[tok], positions[tok], md.slot_mapping[tok])
             row = slice(rank * rmax, rank * rmax + num_reqs)
             md.seq_lens[row] = end
             md.block_tables[row] = ib.block_table[rows]
