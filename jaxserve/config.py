@@ -68,6 +68,9 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # MoE experts whole on each 'model' device (E / tp each) instead of split by their
+    # mlp dim (models/moe.py).
+    enable_expert_parallel: bool = False
     # Multi-host: all None on one host (and on a TPU pod slice, where JAX finds them).
     distributed_coordinator_address: str | None = None  # "host:port" of process 0
     num_processes: int | None = None

@@ -10,6 +10,7 @@ declarations and know nothing about any one architecture.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -27,7 +28,10 @@ MODEL = "model"  # the mesh axis tensor parallelism shards over
 class Weight:
     """One parameter as the checkpoint stores it and as we shard it."""
 
-    hf_name: str  # checkpoint tensor name; "{i}" is the layer index (layers stacked on a new axis 0)
+    # Checkpoint tensor name. "{i}" is the layer index (layers stacked on a new axis 0),
+    # "{e}" the expert index (experts stacked on the next axis): one param gathers many
+    # checkpoint tensors.
+    hf_name: str
     dims: tuple[str, ...]  # ModelArchConfig field giving each axis's size; "a*b" is a product
     sharding: tuple[str | None, ...] | None = None  # mesh axis per axis; None: replicated
     transpose: bool = False  # HF Linear weights are [out, in]; ours are [in, out]
@@ -35,6 +39,17 @@ class Weight:
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf_name
+
+    @property
+    def stacked(self) -> tuple[str, ...]:
+        """The placeholders stacked on the leading axes, in axis order ("i", then "e")."""
+        return tuple(k for k in ("i", "e") if "{" + k + "}" in self.hf_name)
+
+    def tensor_names(self, config: ModelArchConfig) -> list[tuple[tuple[int, ...], str]]:
+        """(index on the stacked axes, checkpoint name) of every tensor this param reads."""
+        sizes = self.shape(config)[:len(self.stacked)]
+        return [(idx, self.hf_name.format(**dict(zip(self.stacked, idx))))
+                for idx in itertools.product(*(range(n) for n in sizes))]
 
     @property
     def partition(self) -> tuple[str | None, ...]:
@@ -45,7 +60,7 @@ class Weight:
 
 
 def dim_size(config: ModelArchConfig, dim: str) -> int:
-    return math.prod(getattr(config, f) for f in dim.split("*"))
+    return math.prod(int(f) if f.isdigit() else getattr(config, f) for f in dim.split("*"))
 
 
 def make_param(name: str, value, weight: Weight, config: ModelArchConfig, dtype) -> nnx.Param:

@@ -32,6 +32,15 @@ class ModelArchConfig:
     o_bias: bool = False  # o_proj carries a bias (Llama/Qwen3 attention_bias; never Qwen2)
     mlp_bias: bool = False  # gate/up/down carry biases (Llama mlp_bias)
     sliding_window: int | None = None
+    # Mixture of experts (models/moe.py); num_experts 0: a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's mlp dim
+    norm_topk_prob: bool = False  # renormalise the top-k router weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on gated expert (0: none)
+    # Experts laid out over the 'model' axis whole (E / tp per device) instead of split
+    # by their mlp dim (models/sharding.py: arch_for_tensor_parallel).
+    expert_parallel: bool = False
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     # Tensor parallelism (models/sharding.py: arch_for_tensor_parallel). The embedding and

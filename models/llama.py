@@ -18,6 +18,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from models.attention_metadata import AttentionMetadata
 from models.base import MODEL, CausalLM, Weight, make_param
@@ -108,11 +109,13 @@ class LlamaForCausalLM(CausalLM):
         return super().ignored_hf_tensors(config) + tied_head
 
     def __init__(self, config: ModelArchConfig, weights: dict, *, dtype=jnp.float32,
-                 scan_layers: bool = True) -> None:
+                 scan_layers: bool = True, mesh: Mesh | None = None) -> None:
         """weights: our param name -> array of ``weight_map(config)``'s shape (the loader
-        passes them placed on the mesh, in ``dtype``)."""
+        passes them placed on the mesh, in ``dtype``). ``mesh``: the mesh they are placed
+        on, for the parts that run under shard_map (MoE experts); None: one device."""
         self.config = config
         self.scan_layers = scan_layers
+        self.mesh = mesh
         wm = self.weight_map(config)
         self.embed_tokens = make_param("embed_tokens", weights["embed_tokens"], wm["embed_tokens"], config,
                                        dtype)  # [PV, D]
@@ -128,6 +131,15 @@ class LlamaForCausalLM(CausalLM):
     def norm_qk(self, q, k, lw):
         """Hook between the q/k projections and rope (q: [T, N, H], k: [T, K, H])."""
         return q, k
+
+    def mlp(self, x, lw):
+        """The feed-forward of one layer: x [T, D] (normed) -> [T, D]; ``lw``: the layer's
+        weights by name. Llama's SiLU-gated MLP; the MoE models override it."""
+        gate, up = x @ lw["gate_proj"], x @ lw["up_proj"]
+        if self.config.mlp_bias:
+            gate, up = gate + lw["gate_bias"], up + lw["up_bias"]
+        out = (jax.nn.silu(gate) * up) @ lw["down_proj"]
+        return out + lw["down_bias"] if self.config.mlp_bias else out
 
     def __call__(self, input_ids, positions, kv_cache, md: AttentionMetadata, attention_fn: Callable):
         """input_ids, positions: [T] int32; kv_cache: [L, P, S, 2K, H].
@@ -156,13 +168,7 @@ class LlamaForCausalLM(CausalLM):
                 attn = attn + lw["o_bias"]
             h = h + attn
             x = rms_norm(h, lw["post_attention_layernorm"], c.rms_norm_eps)
-            gate, up = x @ lw["gate_proj"], x @ lw["up_proj"]
-            if c.mlp_bias:
-                gate, up = gate + lw["gate_bias"], up + lw["up_bias"]
-            mlp = (jax.nn.silu(gate) * up) @ lw["down_proj"]
-            if c.mlp_bias:
-                mlp = mlp + lw["down_bias"]
-            return h + mlp, kv_cache
+            return h + self.mlp(x, lw), kv_cache
 
         if self.scan_layers:
             def body(carry, xs):

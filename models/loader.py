@@ -14,22 +14,24 @@ from models.sharding import arch_for_tensor_parallel, place_variables
 from models.weights import stream_safetensors
 
 
-def load_model(model_path: str | Path, *, mesh: Mesh, dtype, progress: bool = True, scan_layers: bool = True):
+def load_model(model_path: str | Path, *, mesh: Mesh, dtype, progress: bool = True, scan_layers: bool = True,
+               expert_parallel: bool = False):
     """Returns (ModelArchConfig, graphdef, state). The arch is the EFFECTIVE one for the
     mesh's tensor-parallel size (models/sharding.py: padded vocabulary, replicated KV
     heads; ``vocab_size`` stays the real vocabulary). Params come in ``dtype``, each
     read from the safetensors files (or restored from an orbax folder) straight into
-    the sharding its model file declares: no host copy of the whole model is made."""
+    the sharding its model file declares: no host copy of the whole model is made.
+    ``expert_parallel``: MoE experts whole per 'model' device (ValueError for a dense model)."""
     arch = ModelArchConfig.from_pretrained(model_path)
     model_cls = get_model_class(arch.architecture)
-    arch = arch_for_tensor_parallel(arch, mesh.shape[MODEL], model_cls)
+    arch = arch_for_tensor_parallel(arch, mesh.shape[MODEL], model_cls, expert_parallel=expert_parallel)
     if is_orbax_checkpoint(model_path):
         params = restore_orbax(model_path, arch, model_cls, mesh, dtype)
     else:
         params = stream_safetensors(model_path, arch, model_cls, mesh, dtype, progress=progress)
     # The module is built around the placed arrays (make_param keeps them as they are):
     # its graph costs no memory, and only the computed variables (rope) are placed here.
-    model = model_cls(arch, params, dtype=dtype, scan_layers=scan_layers)
+    model = model_cls(arch, params, dtype=dtype, scan_layers=scan_layers, mesh=mesh)
     del params
     graphdef, state = nnx.split(model)
     return arch, graphdef, place_variables(state, mesh)

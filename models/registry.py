@@ -11,8 +11,11 @@ import importlib
 _MODEL_REGISTRY = {
     "LlamaForCausalLM": ("models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("models.mistral", "MistralForCausalLM"),
+    "MixtralForCausalLM": ("models.mixtral", "MixtralForCausalLM"),
     "Qwen2ForCausalLM": ("models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -56,18 +56,26 @@ def valid_tensor_parallel_sizes(arch: ModelArchConfig, model_cls=None) -> list[i
     return [tp for tp in range(1, arch.num_attention_heads + 1) if _tensor_parallel_problem(arch, tp, model_cls) is None]
 
 
-def arch_for_tensor_parallel(arch: ModelArchConfig, tp: int, model_cls=None) -> ModelArchConfig:
+def arch_for_tensor_parallel(arch: ModelArchConfig, tp: int, model_cls=None, *,
+                             expert_parallel: bool | None = None) -> ModelArchConfig:
     """The architecture the model is built with on ``tp`` devices: padded_vocab_size a
     multiple of tp; num_key_value_heads = K * r with r = kv_head_replicas = tp / K when
     tp > K (query head n then reads new KV head n // (N / (K r)), which is old head
     n // (N / K): GQA groups are unchanged). ValueError naming the config field and the
-    valid sizes when tp does not fit."""
+    valid sizes when tp does not fit. ``expert_parallel`` (None: as ``arch`` says): MoE
+    experts whole per device, so tp must divide num_experts instead of their mlp dim."""
     model_cls = model_cls or get_model_class(arch.architecture)
     arch = checkpoint_arch(arch)
+    if expert_parallel is not None:
+        if expert_parallel and not arch.num_experts:
+            raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; {arch.architecture} "
+                             "has no experts")
+        arch = dataclasses.replace(arch, expert_parallel=expert_parallel)
     problem = "must be at least 1" if tp < 1 else _tensor_parallel_problem(arch, tp, model_cls)
     if problem:
         valid = ", ".join(map(str, valid_tensor_parallel_sizes(arch, model_cls)))
-        raise ValueError(f"tensor_parallel_size={tp} {problem}; valid sizes for this model: {valid}")
+        layout = " with enable_expert_parallel" if arch.expert_parallel else ""
+        raise ValueError(f"tensor_parallel_size={tp} {problem}; valid sizes for this model{layout}: {valid}")
     for w in model_cls.weight_map(arch).values():  # padding is defined for a whole axis only
         assert all(d == PADDED_VOCAB or PADDED_VOCAB not in d for d in w.dims), w
     k = arch.num_key_value_heads

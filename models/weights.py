@@ -13,6 +13,7 @@ checkpoint through one open ``safe_open`` handle grows RSS by the file's size.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -153,7 +154,8 @@ class _ShardReader:
     def _read(self, bounds) -> np.ndarray:
         w = self.weight
         out = np.zeros([b - a for a, b in bounds], self.dtype)  # padding stays zero
-        dims, axes = (w.dims[1:], bounds[1:]) if w.per_layer else (w.dims, bounds)
+        ns = len(w.stacked)  # leading axes stacked from many checkpoint tensors
+        dims, axes = w.dims[ns:], bounds[ns:]
         src = [source_indices(d, self.arch, a, b) for d, (a, b) in zip(dims, axes)]
         where = [np.flatnonzero(s >= 0) for s in src]  # positions in the shard that hold data
         if any(len(p) == 0 for p in where):
@@ -166,15 +168,14 @@ class _ShardReader:
         dst = tuple(spans) if all(s is not None for s in spans) else np.ix_(*where)
         if w.transpose:
             ck_index = ck_index[::-1]
-        layers = range(*bounds[0]) if w.per_layer else [None]
-        for k, layer in enumerate(layers):
-            name = w.hf_name.format(i=layer) if w.per_layer else w.hf_name
-            data = self.ckpt.read(name, tuple(ck_index))
+        for idx in itertools.product(*(range(a, b) for a, b in bounds[:ns])):
+            data = self.ckpt.read(w.hf_name.format(**dict(zip(w.stacked, idx))), tuple(ck_index))
             if w.transpose:
                 data = data.T
             for axis, rel in gathers:
                 data = np.take(data, rel, axis=axis)
-            (out[k] if w.per_layer else out)[dst] = data  # the cast to the serving dtype
+            at = tuple(i - a for i, (a, _) in zip(idx, bounds))
+            out[at][dst] = data  # the cast to the serving dtype
         return out
 
 
@@ -188,10 +189,9 @@ def check_checkpoint_names(ckpt: SafetensorsCheckpoint, arch: ModelArchConfig, m
     used = set()
     for w in model_cls.weight_map(stored).values():
         shape = w.shape(stored)
-        names = [w.hf_name.format(i=i) for i in range(stored.num_hidden_layers)] if w.per_layer else [w.hf_name]
-        want = shape[1:] if w.per_layer else shape
+        want = shape[len(w.stacked):]
         want = want[::-1] if w.transpose else want
-        for name in names:
+        for _, name in w.tensor_names(stored):
             if name not in ckpt.tensors:
                 raise ValueError(f"{ckpt.model_dir}: the checkpoint has no tensor {name!r}, "
                                  f"which {arch.architecture} needs")

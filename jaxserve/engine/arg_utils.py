@@ -109,6 +109,9 @@ class EngineArgs:
     data_parallel_size: int = field(default=1, metadata=_arg(
         "Model replicas, each with its own KV cache and scheduler; requests go to the least loaded.",
         flags=("-dp",)))
+    enable_expert_parallel: bool = field(default=False, metadata=_arg(
+        "MoE models: place whole experts on the tensor-parallel devices (num_experts / tp each) instead of "
+        "splitting every expert's MLP over them."))
     distributed_coordinator_address: str | None = field(default=None, metadata=_arg(
         "Multi-host: host:port of process 0 (jax.distributed); unset on one host and on TPU pods."))
     num_processes: int | None = field(default=None, metadata=_arg("Multi-host: processes in all."))
@@ -212,6 +215,7 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.scheduling_policy),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
+                enable_expert_parallel=self.enable_expert_parallel,
                 distributed_coordinator_address=self.distributed_coordinator_address,
                 num_processes=self.num_processes, process_id=self.process_id),
             structured_outputs_config=StructuredOutputsConfig(

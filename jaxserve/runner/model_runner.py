@@ -149,7 +149,8 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         self.arch, self.graphdef, self.state = load_model(model_path, mesh=self.mesh, dtype=self.dtype,
-                                                          progress=progress, scan_layers=mc.scan_layers)
+                                                          progress=progress, scan_layers=mc.scan_layers,
+                                                          expert_parallel=pc.enable_expert_parallel)
         self.vocab_size = self.arch.vocab_size
         logger.info("Loaded %s (%s) in %.1f s", model_path, self.arch.architecture, time.perf_counter() - t0)
         self.token_buckets = BucketTable(config.token_buckets or power_of_two_buckets(MIN_TOKEN_BUCKET, self.max_num_tokens))

@@ -34,6 +34,10 @@ ARCHS = [
     ("qwen3", dict(kv_heads=2, tie=True)),  # q/k norm
     ("llama", dict(kv_heads=2, attention_bias=True, mlp_bias=True)),  # q/k/v/o and MLP biases
     ("qwen3", dict(kv_heads=2, attention_bias=True)),  # q/k/v/o biases with q/k norm
+    # Mixture of experts: 8 experts, top 2 (renormalised; Qwen2-MoE: not, plus a shared expert).
+    ("qwen3_moe", dict(kv_heads=2, seed=1)),
+    ("qwen2_moe", dict(kv_heads=2)),
+    ("mixtral", dict(kv_heads=2)),
 ]
 
 
@@ -84,9 +88,11 @@ def test_engine_modes_give_same_tokens(tiny_models, mode):
         assert sched.kv_cache_manager.block_pool.cached_block_hash_to_block
 
 
-def test_logits_close_to_hf(tiny_models):
+@pytest.mark.parametrize("arch,kw", [("qwen3", dict(tie=True)), ("qwen3_moe", dict(seed=1)), ("qwen2_moe", {}),
+                                     ("mixtral", {})])
+def test_logits_close_to_hf(tiny_models, arch, kw):
     """Prompt logprobs (log-softmax of every position's logits) match HF within f32 tolerance."""
-    path = tiny_models("qwen3", kv_heads=2, tie=True)
+    path = tiny_models(arch, kv_heads=2, **kw)
     hf = HFReference(path)
     p = prompts(5, [30])[0]
     llm = make_llm(path)
@@ -106,6 +112,20 @@ def test_logits_close_to_hf(tiny_models):
     sample = out.outputs[0].logprobs[0]
     tok = out.outputs[0].token_ids[0]
     assert sample[tok].logprob == pytest.approx(ref_lp[-1, tok], abs=1e-4) and sample[tok].rank == 1
+
+
+def test_moe_chunked_prefill_and_preemption(tiny_models):
+    """A MoE model under chunked prefill, prefix-cache hits and preemption: HF's tokens."""
+    path = tiny_models("mixtral", kv_heads=2)
+    hf = HFReference(path)
+    shared = prompts(8, [40])[0]
+    ps = [shared + q for q in prompts(9, [9, 21])] + prompts(10, [35, 6])
+    llm = make_llm(path, max_num_batched_tokens=16, long_prefill_token_threshold=8, num_gpu_blocks_override=9)
+    ours = run(llm, ps, max_tokens=20)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    for p, o in zip(ps, ours):
+        ref, margins = hf.greedy(p, 20)
+        assert_greedy_match(o, ref, margins, f"mixtral len {len(p)}")
 
 
 def test_prompt_logprobs_returned_once_despite_preemption(tiny_models):

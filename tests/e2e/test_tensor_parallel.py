@@ -46,3 +46,30 @@ def test_tp_matches_tp1(tiny_models, backend, tp):
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide num_attention_heads=4; valid sizes"):
         LLM(str(path), tensor_parallel_size=3, compilation_cache=False, progress=False, kv_cache_memory=4 << 20,
             max_model_len=128)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 host devices (XLA_FLAGS in tests/conftest.py)")
+def test_moe_tensor_and_expert_parallel_match_one_device(tiny_models):
+    """Qwen3-MoE (8 experts, top 2): experts split by their mlp dim (tp 2) or whole per
+    device (expert parallel 2 and 4) give the single-device tokens and logprobs."""
+    path = tiny_models("qwen3_moe", kv_heads=2, seed=1)
+    ps = [{"prompt_token_ids": np.random.default_rng(i).integers(3, 500, 5 + 9 * i).tolist()} for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    res = []
+    for tp, ep in [(1, False), (2, False), (2, True), (4, True)]:
+        llm = LLM(str(path), max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=4 << 20,
+                  compilation_cache=False, progress=False, tensor_parallel_size=tp, enable_expert_parallel=ep,
+                  enforce_eager=True)
+        spec = llm.llm_engine.model_runner.state["layers"]["experts_gate"][...].sharding.spec
+        assert tuple(spec) == ((None, "model", None, None) if ep else (None, None, None, "model"))
+        out = llm.generate(ps, sp, use_tqdm=False)
+        res.append([(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                              o.outputs[0].token_ids)])
+                    for o in out])
+    for other in res[1:]:
+        for (toks, lps), (toks1, lps1) in zip(other, res[0]):
+            assert toks == toks1
+            np.testing.assert_allclose(lps, lps1, atol=1e-4)
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        LLM(str(tiny_models("qwen2", kv_heads=2)), tensor_parallel_size=2, enable_expert_parallel=True,
+            compilation_cache=False, progress=False, kv_cache_memory=4 << 20, max_model_len=128)

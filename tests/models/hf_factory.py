@@ -4,6 +4,11 @@ from __future__ import annotations
 from pathlib import Path
 
 
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+_MOE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+             "shared_expert_intermediate_size")
+
+
 def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv_heads: int = 2,
                        seed: int = 0, vocab: int = 512, layers: int = 2, max_pos: int = 512, heads: int = 4,
                        tokenizer: str = "words", **config_kw) -> Path:
@@ -31,6 +36,21 @@ def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv
     elif arch == "qwen3":
         cfg = transformers.Qwen3Config(**common, head_dim=16)
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif arch in MOE_ARCHS:
+        # 8 experts, top 2 (MoE parity needs >= 8 experts); small expert mlp dims.
+        moe = dict(num_experts_per_tok=2, **{k: v for k, v in config_kw.items() if k in _MOE_KEYS})
+        rest = {k: v for k, v in common.items() if k not in _MOE_KEYS}
+        if arch == "qwen3_moe":
+            cfg = transformers.Qwen3MoeConfig(**rest, head_dim=16, **{"num_experts": 8, "moe_intermediate_size": 32,
+                                                                       "norm_topk_prob": True, **moe})
+            model = transformers.Qwen3MoeForCausalLM(cfg)
+        elif arch == "qwen2_moe":
+            cfg = transformers.Qwen2MoeConfig(**rest, **{"num_experts": 8, "moe_intermediate_size": 32,
+                                                         "shared_expert_intermediate_size": 48, **moe})
+            model = transformers.Qwen2MoeForCausalLM(cfg)
+        else:
+            cfg = transformers.MixtralConfig(**rest, **{"num_local_experts": 8, **moe})
+            model = transformers.MixtralForCausalLM(cfg)
     else:
         raise ValueError(arch)
     # Random init in HF is small (std 0.02): scale up so logits are not near-uniform and

@@ -1,0 +1,186 @@
+"""Mixture-of-experts feed-forward: router top-k, then the experts as grouped matmuls
+over the token copies sorted by expert (``jax.lax.ragged_dot``: the megablox grouped
+GEMM on TPU, a Triton grouped GEMM on GPU), never a dense pass of every token through
+every expert. No capacity limit: every token reaches its k experts (serving must be
+exact).
+
+Shapes: T tokens, D model dim, E experts (E_l on one device), F expert mlp dim
+(F_l on one device), k experts per token, A = T k token copies.
+
+Two layouts over the mesh's 'model' axis (tp devices):
+- **tensor parallel** (default): every device holds all E experts, each split by its
+  mlp columns (F_l = F / tp); each device runs all its tokens' copies, and the partial
+  down-projections are summed over 'model' (as a dense MLP's are).
+- **expert parallel** (``--enable-expert-parallel``): each device holds E / tp whole
+  experts. Two exchanges are implemented (``EP_STRATEGIES``):
+  * ``allgather``: the tokens are already on every 'model' device (attention leaves them
+    replicated), so each device runs the copies routed to its own experts and the
+    results are summed over 'model' (one all-reduce of [T, D], as tensor parallel).
+  * ``alltoall``: each device takes T / tp tokens, sends each copy to the device owning
+    its expert (an all-to-all of [tp, C, D], C = T k / tp copies: the no-drop worst
+    case, since XLA:CPU has no ragged all-to-all), runs the copies it received, sends
+    them back, combines, and all-gathers the tokens.
+  ``benchmarks/bench_moe.py`` measures both; ``allgather`` is the default (see there).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+EP_STRATEGIES = ("allgather", "alltoall")
+
+
+def route(router_logits, top_k: int, normalize: bool):
+    """router_logits [T, E] -> (weights [T, k] float32, experts [T, k] int32): softmax over
+    all experts, the k largest, renormalised to sum to 1 when ``normalize`` (Mixtral;
+    Qwen's norm_topk_prob). Ties go to the lower expert id, as torch.topk."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def expert_mlp(x, experts, w_gate, w_up, w_down, first_expert):
+    """The SiLU-gated expert MLPs of token copies. x: [A, D], experts: [A] int32 (global
+    ids); w_gate / w_up: [E_l, D, F_l], w_down: [E_l, F_l, D] hold experts
+    ``first_expert .. first_expert + E_l - 1``. Returns [A, D]: each copy through its
+    expert, zeros for copies whose expert is held elsewhere (they cost no expert FLOPs:
+    they sort after every group)."""
+    num_local = w_gate.shape[0]
+    local = experts - first_expert
+    mine = (local >= 0) & (local < num_local)
+    key = jnp.where(mine, local, num_local)  # elsewhere: a last bucket no group covers
+    order = jnp.argsort(key, stable=True)
+    group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
+    xs = x[order]
+    gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
+    up = jax.lax.ragged_dot(xs, w_up, group_sizes)
+    out = jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(x.dtype), w_down, group_sizes)
+    # Rows past the last group are not defined by every ragged_dot lowering: zero them.
+    out = jnp.where(mine[order][:, None], out, 0)
+    return jnp.zeros_like(out).at[order].set(out)  # back to the copies' order
+
+
+def _moe_local(x, router, w_gate, w_up, w_down, *, top_k, normalize, first_expert):
+    """One device's part: x [T, D] -> [T, D] partial sum of its experts (or mlp columns)."""
+    t, d = x.shape
+    weights, experts = route(x @ router, top_k, normalize)
+    out = expert_mlp(jnp.repeat(x, top_k, axis=0), experts.reshape(-1), w_gate, w_up, w_down, first_expert)
+    return jnp.sum(out.reshape(t, top_k, d).astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
+
+
+def _moe_alltoall(x, router, w_gate, w_up, w_down, *, top_k, normalize, axis, ep):
+    """Expert parallel by token exchange (see the module docstring); x [T, D] replicated
+    over ``axis``, T a multiple of ``ep``."""
+    t, d = x.shape
+    me = jax.lax.axis_index(axis)
+    num_local = w_gate.shape[0]
+    mine = jax.lax.dynamic_slice_in_dim(x, me * (t // ep), t // ep)  # [Ts, D]
+    weights, experts = route(mine @ router, top_k, normalize)
+    c = mine.shape[0] * top_k  # copies per device: the most one destination can get
+    copies = jnp.repeat(mine, top_k, axis=0)  # [C, D]
+    flat = experts.reshape(-1)
+    dest = flat // num_local
+    # Send buffer [ep, C, D]: copy j goes to row j of its destination's slab.
+    onehot = dest[None, :] == jnp.arange(ep)[:, None]  # [ep, C]
+    send = jnp.where(onehot[..., None], copies[None], 0).astype(x.dtype)
+    send_expert = jnp.where(onehot, flat[None], -1)
+    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=False)  # [ep, C, D]: from each source
+    recv_expert = jax.lax.all_to_all(send_expert, axis, 0, 0, tiled=False)
+    out = expert_mlp(recv.reshape(ep * c, d), recv_expert.reshape(-1), w_gate, w_up, w_down, me * num_local)
+    back = jax.lax.all_to_all(out.reshape(ep, c, d), axis, 0, 0, tiled=False)  # [ep, C, D]: per owner
+    done = jnp.sum(jnp.where(onehot[..., None], back, 0), axis=0)  # [C, D]
+    combined = jnp.sum(done.reshape(-1, top_k, d).astype(jnp.float32) * weights[..., None], axis=1)
+    return jax.lax.all_gather(combined.astype(x.dtype), axis, axis=0, tiled=True)
+
+
+def moe_block(x, router, w_gate, w_up, w_down, *, top_k: int, normalize: bool, mesh: Mesh | None,
+              expert_parallel: bool, strategy: str = "allgather"):
+    """The MoE feed-forward of one layer. x: [T, D] (split over 'data' with data
+    parallelism); router: [D, E]; w_gate / w_up: [E, D, F]; w_down: [E, F, D], laid out
+    over 'model' by experts (``expert_parallel``) or by F. Returns [T, D]."""
+    kw = dict(top_k=top_k, normalize=normalize)
+    if mesh is None or mesh.size == 1:
+        return _moe_local(x, router, w_gate, w_up, w_down, first_expert=0, **kw)
+    tp = mesh.shape["model"]
+    tokens = P("data", None)
+    if expert_parallel:
+        experts = P("model", None, None)
+        w_specs = (experts, experts, experts)
+    else:
+        w_specs = (P(None, None, "model"), P(None, None, "model"), P(None, "model", None))
+    if expert_parallel and strategy == "alltoall" and tp > 1:
+        local = functools.partial(_moe_alltoall, axis="model", ep=tp, **kw)
+        if (x.shape[0] // mesh.shape["data"]) % tp:  # each device takes an equal share
+            raise ValueError(f"the all-to-all exchange needs each rank's tokens to be a multiple of {tp}")
+        return jax.shard_map(local, mesh=mesh, in_specs=(tokens, P(), *w_specs), out_specs=tokens,
+                             check_vma=False)(x, router, w_gate, w_up, w_down)
+
+    def local(x, router, w_gate, w_up, w_down):
+        first = jax.lax.axis_index("model") * w_gate.shape[0] if expert_parallel else 0
+        part = _moe_local(x, router, w_gate, w_up, w_down, first_expert=first, **kw)
+        return jax.lax.psum(part, "model")
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, P(), *w_specs), out_specs=tokens,
+                         check_vma=False)(x, router, w_gate, w_up, w_down)
+
+
+# Axis sizes of the expert params, as ModelArchConfig fields.
+_L, _D, _E, _FE = "num_hidden_layers", "hidden_size", "num_experts", "moe_intermediate_size"
+_DENSE_MLP = ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias")
+
+
+def moe_arch_fields(cfg: dict, *, num_experts: int, moe_intermediate_size: int, norm_topk_prob: bool) -> dict:
+    """The MoE ModelArchConfig fields, checked (ValueError naming the config field)."""
+    top_k = cfg.get("num_experts_per_tok")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"{cfg['architectures'][0]}: num_experts must be a positive integer, got {num_experts!r}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"{cfg['architectures'][0]}: num_experts_per_tok must be in [1, {num_experts}], got {top_k!r}")
+    # Qwen-MoE's dense layers (mlp_only_layers, decoder_sparse_step > 1) would need a
+    # second stacked layer kind under the scan.
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"{cfg['architectures'][0]} with dense layers (mlp_only_layers / decoder_sparse_step > 1) "
+                         "is not supported")
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate_size,
+                norm_topk_prob=norm_topk_prob)
+
+
+class SparseMoeMLP:
+    """Mixin for a decoder class whose every layer's MLP is a sparse MoE block: put it
+    before the dense class (``class X(SparseMoeMLP, Qwen3ForCausalLM)``) and name the
+    checkpoint tensors: ``router_name`` (the [E, D] gate) and ``expert_names`` (gate, up,
+    down projections of expert ``{e}``), relative to the layer prefix."""
+
+    router_name = "mlp.gate.weight"
+    expert_names = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                    "mlp.experts.{e}.down_proj.weight")
+
+    @classmethod
+    def weight_map(cls, c):
+        from models.base import MODEL, Weight
+        from models.llama import LAYER
+
+        m = {n: w for n, w in super().weight_map(c).items() if n not in _DENSE_MLP}
+        if c.expert_parallel:  # whole experts per device
+            cols = rows = (None, MODEL, None, None)
+        else:  # every expert split by its mlp dim, as a dense MLP
+            cols, rows = (None, None, None, MODEL), (None, None, MODEL, None)
+        gate, up, down = cls.expert_names
+        return m | {
+            "router": Weight(LAYER + cls.router_name, (_L, _D, _E), transpose=True),
+            "experts_gate": Weight(LAYER + gate, (_L, _E, _D, _FE), cols, transpose=True),
+            "experts_up": Weight(LAYER + up, (_L, _E, _D, _FE), cols, transpose=True),
+            "experts_down": Weight(LAYER + down, (_L, _E, _FE, _D), rows, transpose=True),
+        }
+
+    def mlp(self, x, lw):
+        c = self.config
+        return moe_block(x, lw["router"], lw["experts_gate"], lw["experts_up"], lw["experts_down"],
+                         top_k=c.num_experts_per_tok, normalize=c.norm_topk_prob, mesh=self.mesh,
+                         expert_parallel=c.expert_parallel)
