@@ -1,7 +1,7 @@
 """Mixture-of-experts feed-forward: router top-k, then the experts as grouped matmuls
 over the token copies sorted by expert (``jax.lax.ragged_dot``: the megablox grouped
-GEMM on TPU, a Triton grouped GEMM on GPU), never a dense pass of every token through
-every expert. No capacity limit: every token reaches its k experts (serving must be
+GEMM on TPU, a Triton grouped GEMM on GPU; on CPU a loop over row tiles of one expert
+each, ``tiled_expert_mlp``), never a dense pass of every token through every expert. No capacity limit: every token reaches its k experts (serving must be
 exact).
 
 Shapes: T tokens, D model dim, E experts (E_l on one device), F expert mlp dim
@@ -45,12 +45,13 @@ def route(router_logits, top_k: int, normalize: bool):
     return weights, experts.astype(jnp.int32)
 
 
-def expert_mlp(x, experts, w_gate, w_up, w_down, first_expert):
+def expert_mlp(x, experts, w_gate, w_up, w_down, first_expert, expected_rows: int | None = None):
     """The SiLU-gated expert MLPs of token copies. x: [A, D], experts: [A] int32 (global
     ids); w_gate / w_up: [E_l, D, F_l], w_down: [E_l, F_l, D] hold experts
     ``first_expert .. first_expert + E_l - 1``. Returns [A, D]: each copy through its
     expert, zeros for copies whose expert is held elsewhere (they cost no expert FLOPs:
-    they sort after every group)."""
+    they sort after every group). ``expected_rows``: about how many copies are this
+    device's (sizes the CPU path's tiles; default A)."""
     num_local = w_gate.shape[0]
     local = experts - first_expert
     mine = (local >= 0) & (local < num_local)
@@ -58,19 +59,66 @@ def expert_mlp(x, experts, w_gate, w_up, w_down, first_expert):
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
     xs = x[order]
-    gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
-    up = jax.lax.ragged_dot(xs, w_up, group_sizes)
-    out = jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(x.dtype), w_down, group_sizes)
+    if jax.default_backend() == "cpu":
+        tile = tile_rows(expected_rows or x.shape[0], num_local)
+        out = tiled_expert_mlp(xs, group_sizes, w_gate, w_up, w_down, tile)
+    else:  # TPU: megablox grouped GEMM; GPU: grouped GEMM
+        gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
+        up = jax.lax.ragged_dot(xs, w_up, group_sizes)
+        out = jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(x.dtype), w_down, group_sizes)
     # Rows past the last group are not defined by every ragged_dot lowering: zero them.
     out = jnp.where(mine[order][:, None], out, 0)
     return jnp.zeros_like(out).at[order].set(out)  # back to the copies' order
+
+
+def tile_rows(num_rows: int, num_groups: int) -> int:
+    """Rows per tile of ``tiled_expert_mlp``: about the mean group size, in [8, 128]."""
+    tile = 8
+    while tile < 128 and tile * num_groups < num_rows:
+        tile *= 2
+    return tile
+
+
+def tiled_expert_mlp(xs, group_sizes, w_gate, w_up, w_down, tile: int | None = None):
+    """The grouped expert MLP as a loop over row tiles (the CPU path: XLA:CPU lowers
+    ``ragged_dot`` to a dense product with every group, E_l times the work).
+
+    xs: [A, D] rows sorted by group; group_sizes: [E_l] int32 (rows past their sum are
+    left zero). Each tile is ``tile`` rows of one group through that group's weights,
+    so the work is the real rows rounded up per group, and the loop runs only as many
+    tiles as the groups need (a dynamic trip count; at most cdiv(A, tile) + E_l)."""
+    a, d = xs.shape
+    w_gate, w_up, w_down = jnp.asarray(w_gate), jnp.asarray(w_up), jnp.asarray(w_down)
+    num_groups = w_gate.shape[0]
+    tile = tile or tile_rows(a, num_groups)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    tile_ends = jnp.cumsum((group_sizes + tile - 1) // tile)
+    tile_starts = jnp.concatenate([jnp.zeros((1,), tile_ends.dtype), tile_ends[:-1]])
+    # A tile may start near the end: the padding keeps every slice in bounds (a clamped
+    # dynamic_slice would shift it onto other rows).
+    xp = jnp.concatenate([xs, jnp.zeros((tile, d), xs.dtype)])
+
+    def body(j, out):
+        g = jnp.minimum(jnp.searchsorted(tile_ends, j, side="right"), num_groups - 1)
+        row0 = starts[g] + (j - tile_starts[g]) * tile
+        rows = jax.lax.dynamic_slice_in_dim(xp, row0, tile)
+        h = jax.nn.silu(rows @ w_gate[g]) * (rows @ w_up[g])
+        y = (h.astype(xs.dtype) @ w_down[g]).astype(out.dtype)
+        valid = (row0 + jnp.arange(tile)) < ends[g]
+        old = jax.lax.dynamic_slice_in_dim(out, row0, tile)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(valid[:, None], y, old), row0, 0)
+
+    out = jax.lax.fori_loop(0, tile_ends[-1], body, jnp.zeros((a + tile, w_down.shape[-1]), xs.dtype))
+    return out[:a]
 
 
 def _moe_local(x, router, w_gate, w_up, w_down, *, top_k, normalize, first_expert):
     """One device's part: x [T, D] -> [T, D] partial sum of its experts (or mlp columns)."""
     t, d = x.shape
     weights, experts = route(x @ router, top_k, normalize)
-    out = expert_mlp(jnp.repeat(x, top_k, axis=0), experts.reshape(-1), w_gate, w_up, w_down, first_expert)
+    mine = t * top_k * w_gate.shape[0] // router.shape[1]  # copies routed here, on average
+    out = expert_mlp(jnp.repeat(x, top_k, axis=0), experts.reshape(-1), w_gate, w_up, w_down, first_expert, mine)
     return jnp.sum(out.reshape(t, top_k, d).astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
 
 
@@ -92,7 +140,7 @@ def _moe_alltoall(x, router, w_gate, w_up, w_down, *, top_k, normalize, axis, ep
     send_expert = jnp.where(onehot, flat[None], -1)
     recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=False)  # [ep, C, D]: from each source
     recv_expert = jax.lax.all_to_all(send_expert, axis, 0, 0, tiled=False)
-    out = expert_mlp(recv.reshape(ep * c, d), recv_expert.reshape(-1), w_gate, w_up, w_down, me * num_local)
+    out = expert_mlp(recv.reshape(ep * c, d), recv_expert.reshape(-1), w_gate, w_up, w_down, me * num_local, c)
     back = jax.lax.all_to_all(out.reshape(ep, c, d), axis, 0, 0, tiled=False)  # [ep, C, D]: per owner
     done = jnp.sum(jnp.where(onehot[..., None], back, 0), axis=0)  # [C, D]
     combined = jnp.sum(done.reshape(-1, top_k, d).astype(jnp.float32) * weights[..., None], axis=1)
