@@ -69,7 +69,7 @@ def part_grouped(args) -> None:
         return jax.lax.ragged_dot(h, down, sizes)
 
     def tiled(xs, sizes, gate, up, down):
-        return moe.tiled_expert_mlp(xs, sizes, gate, up, down)
+        return moe.tiled_expert_mlp(xs, sizes, (gate, up, down))
 
     ws = (router, gate, up, down)  # arguments, not constants (XLA would fold them at compile time)
     run_tiled = jax.jit(lambda x, *w: layer(x, *w, tiled))
@@ -120,7 +120,7 @@ def part_ep(args) -> None:
         row, outs, ops = [], [], []
         for name, (ep, strategy, w) in layouts.items():
             fn = jax.jit(lambda x, r, g, u, d, ep=ep, s=strategy: moe_block(
-                x, r, g, u, d, top_k=args.top_k, normalize=True, mesh=mesh, expert_parallel=ep, strategy=s))
+                x, r, (g, u, d), top_k=args.top_k, normalize=True, mesh=mesh, expert_parallel=ep, strategy=s))
             row.append(timed(fn, x, put(router), *w))
             outs.append(np.asarray(fn(x, put(router), *w)))
             hlo = fn.lower(x, put(router), *w).compile().as_text()

@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None, help="int8: weight-only int8 projections")
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--no-compilation-cache", action="store_true", help="measure a cold warm-up")
     args = ap.parse_args()
@@ -38,8 +40,8 @@ def main() -> None:
 
     t0 = time.perf_counter()
     llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-              compilation_cache=not args.no_compilation_cache)
+              max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, dtype=args.dtype,
+              quantization=args.quantization, compilation_cache=not args.no_compilation_cache)
     startup = time.perf_counter() - t0
     vocab = llm.llm_engine.vocab_size
     rng = np.random.default_rng(args.seed)
@@ -56,6 +58,7 @@ def main() -> None:
     total = prompt_tokens + output_tokens
     print(machine_line())
     print(commit_line())
+    print(f"dtype {args.dtype}, quantization {args.quantization}")
     print(f"startup (load + warm-up): {startup:.1f} s; warm-up {llm.llm_engine.warmup_seconds:.1f} s, "
           f"{llm.llm_engine.num_compiled_programs} programs")
     print(f"Throughput: {len(outs) / elapsed:.2f} requests/s, {total / elapsed:.2f} total tokens/s, "

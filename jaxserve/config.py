@@ -102,10 +102,14 @@ class ModelConfig:
     generation_config: str = "auto"
     # Applied on top of the file: e.g. {"temperature": 0.5, "max_new_tokens": 128}.
     override_generation_config: dict[str, Any] | None = None
+    quantization: str | None = None  # weight-only "int8" (models/quantization.py); None: as stored
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        from models.quantization import check_quantization
+
+        check_quantization(self.quantization)
         gc = self.generation_config
         if gc not in ("auto", "vllm") and not Path(gc).expanduser().is_dir():
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {gc!r}")

@@ -66,10 +66,12 @@ def dim_size(config: ModelArchConfig, dim: str) -> int:
 def make_param(name: str, value, weight: Weight, config: ModelArchConfig, dtype) -> nnx.Param:
     """The param with its partitioning as metadata. ``value`` is normally the array the
     loader already placed on the mesh (models/loader.py), kept as it is when it has
-    ``dtype``; a numpy array is converted. Never sharded eagerly: placement is the
+    ``dtype`` (None: its own dtype); a numpy array is converted. Never sharded eagerly: placement is the
     loader's."""
     shape = weight.shape(config)
     assert tuple(value.shape) == shape, f"{name}: expected {shape}, got {value.shape}"
+    if dtype is None:  # int8 weights and their float32 scales keep their own dtype
+        dtype = value.dtype
     if not (isinstance(value, jax.Array) and value.dtype == dtype):
         value = jnp.asarray(value, dtype)
     return nnx.Param(value, out_sharding=weight.partition, eager_sharding=False)

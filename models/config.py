@@ -32,6 +32,12 @@ class ModelArchConfig:
     o_bias: bool = False  # o_proj carries a bias (Llama/Qwen3 attention_bias; never Qwen2)
     mlp_bias: bool = False  # gate/up/down carry biases (Llama mlp_bias)
     sliding_window: int | None = None
+    # Which layers use sliding_window (Gemma: interleaved); None: all of them.
+    sliding_window_layers: tuple[bool, ...] | None = None
+    attn_logit_softcapping: float | None = None  # cap * tanh(score / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the logits (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power (default head_dim)
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' rope base (no scaling)
     # Mixture of experts (models/moe.py); num_experts 0: a dense MLP.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -41,6 +47,8 @@ class ModelArchConfig:
     # Experts laid out over the 'model' axis whole (E / tp per device) instead of split
     # by their mlp dim (models/sharding.py: arch_for_tensor_parallel).
     expert_parallel: bool = False
+    # Weight-only quantization of the projections at load (models/quantization.py).
+    quantization: str | None = None
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     # Tensor parallelism (models/sharding.py: arch_for_tensor_parallel). The embedding and
@@ -66,6 +74,12 @@ class ModelArchConfig:
     @staticmethod
     def from_pretrained(path: str | Path) -> "ModelArchConfig":
         return ModelArchConfig.from_hf_dict(json.loads((Path(path) / "config.json").read_text()))
+
+
+def attention_settings(arch: ModelArchConfig) -> dict:
+    """The keyword arguments of pallas_kernels.backend.build_attention for this model."""
+    return dict(sm_scale=(arch.query_pre_attn_scalar or arch.head_dim) ** -0.5, sliding_window=arch.sliding_window,
+                sliding_window_layers=arch.sliding_window_layers, soft_cap=arch.attn_logit_softcapping)
 
 
 def hf_common_fields(cfg: dict) -> dict:

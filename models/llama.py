@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from models.attention_metadata import AttentionMetadata
 from models.base import MODEL, CausalLM, Weight, make_param
 from models.config import ModelArchConfig, hf_common_fields
+from models.quantization import param_map, linear
 from models.rope import apply_rope, rope_inv_freq
 
 # Axis sizes, as ModelArchConfig fields: L layers, D model dim, F mlp dim, V vocabulary
@@ -46,7 +47,9 @@ class DecoderLayers(nnx.Module):
 
     def __init__(self, config: ModelArchConfig, weights: dict, weight_map: dict[str, Weight], dtype) -> None:
         for name, w in weight_map.items():
-            setattr(self, name, make_param(name, weights[name], w, config, dtype))
+            # Quantized weights (int8) and their scales (float32) keep their dtype.
+            own = weights[name].dtype in (jnp.int8,) or name.endswith("_scale")
+            setattr(self, name, make_param(name, weights[name], w, config, None if own else dtype))
 
 
 class LlamaForCausalLM(CausalLM):
@@ -116,7 +119,7 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         self.scan_layers = scan_layers
         self.mesh = mesh
-        wm = self.weight_map(config)
+        wm = param_map(type(self), config)
         self.embed_tokens = make_param("embed_tokens", weights["embed_tokens"], wm["embed_tokens"], config,
                                        dtype)  # [PV, D]
         self.layers = DecoderLayers(config, weights, {n: w for n, w in wm.items() if w.per_layer}, dtype)
@@ -135,40 +138,61 @@ class LlamaForCausalLM(CausalLM):
     def mlp(self, x, lw):
         """The feed-forward of one layer: x [T, D] (normed) -> [T, D]; ``lw``: the layer's
         weights by name. Llama's SiLU-gated MLP; the MoE models override it."""
-        gate, up = x @ lw["gate_proj"], x @ lw["up_proj"]
+        gate, up = linear(x, lw, "gate_proj"), linear(x, lw, "up_proj")
         if self.config.mlp_bias:
             gate, up = gate + lw["gate_bias"], up + lw["up_bias"]
-        out = (jax.nn.silu(gate) * up) @ lw["down_proj"]
+        out = linear(jax.nn.silu(gate) * up, lw, "down_proj")
         return out + lw["down_bias"] if self.config.mlp_bias else out
+
+    def norm_fn(self, x, w):
+        """The model's RMSNorm (Gemma's scales by 1 + w)."""
+        return rms_norm(x, w, self.config.rms_norm_eps)
+
+    def embed(self, input_ids):
+        """input_ids [T] -> [T, D] (Gemma scales by sqrt(D))."""
+        return self.embed_tokens[...][input_ids]
+
+    def rope_inv_freq(self, layer):
+        """The rotary frequencies [H/2] of ``layer`` (Gemma 3: local layers have their own)."""
+        return self.inv_freq[...]
+
+    def attention(self, x, kv_cache, lw, layer, positions, md, attention_fn):
+        """Self-attention of one layer: x [T, D] (normed) -> ([T, D] after o_proj, kv_cache)."""
+        c = self.config
+        t = x.shape[0]
+        N, K, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q, k, v = linear(x, lw, "q_proj"), linear(x, lw, "k_proj"), linear(x, lw, "v_proj")
+        if c.attention_bias:
+            q, k, v = q + lw["q_bias"], k + lw["k_bias"], v + lw["v_bias"]
+        q, k, v = q.reshape(t, N, H), k.reshape(t, K, H), v.reshape(t, K, H)
+        q, k = self.norm_qk(q, k, lw)
+        inv_freq = self.rope_inv_freq(layer)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        o, kv_cache = attention_fn(q, k, v, kv_cache, layer, md)
+        attn = linear(o.reshape(t, N * H), lw, "o_proj")
+        if c.o_bias:
+            attn = attn + lw["o_bias"]
+        return attn, kv_cache
+
+    def decoder_layer(self, h, kv_cache, lw, layer, positions, md, attention_fn):
+        """One pre-norm decoder layer: h [T, D] -> (h, kv_cache)."""
+        attn, kv_cache = self.attention(self.norm_fn(h, lw["input_layernorm"]), kv_cache, lw, layer, positions, md,
+                                        attention_fn)
+        h = h + attn
+        return h + self.mlp(self.norm_fn(h, lw["post_attention_layernorm"]), lw), kv_cache
 
     def __call__(self, input_ids, positions, kv_cache, md: AttentionMetadata, attention_fn: Callable):
         """input_ids, positions: [T] int32; kv_cache: [L, P, S, 2K, H].
         attention_fn(q, k, v, kv_cache, layer, md) -> (o [T, N, H], kv_cache).
         Returns (hidden [T, D] after the final norm, kv_cache)."""
         c = self.config
-        h = self.embed_tokens[...][input_ids]
-        inv_freq = self.inv_freq[...]
-        names = [n for n, w in self.weight_map(c).items() if w.per_layer]
+        h = self.embed(input_ids)
+        names = [n for n, w in param_map(type(self), c).items() if w.per_layer]
         stacked = {n: getattr(self.layers, n)[...] for n in names}
 
         def layer_fn(h, kv_cache, lw, layer):
-            t = h.shape[0]
-            N, K, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-            x = rms_norm(h, lw["input_layernorm"], c.rms_norm_eps)
-            q, k, v = x @ lw["q_proj"], x @ lw["k_proj"], x @ lw["v_proj"]
-            if c.attention_bias:
-                q, k, v = q + lw["q_bias"], k + lw["k_bias"], v + lw["v_bias"]
-            q, k, v = q.reshape(t, N, H), k.reshape(t, K, H), v.reshape(t, K, H)
-            q, k = self.norm_qk(q, k, lw)
-            q = apply_rope(q, positions, inv_freq)
-            k = apply_rope(k, positions, inv_freq)
-            o, kv_cache = attention_fn(q, k, v, kv_cache, layer, md)
-            attn = o.reshape(t, N * H) @ lw["o_proj"]
-            if c.o_bias:
-                attn = attn + lw["o_bias"]
-            h = h + attn
-            x = rms_norm(h, lw["post_attention_layernorm"], c.rms_norm_eps)
-            return h + self.mlp(x, lw), kv_cache
+            return self.decoder_layer(h, kv_cache, lw, layer, positions, md, attention_fn)
 
         if self.scan_layers:
             def body(carry, xs):
@@ -181,7 +205,7 @@ class LlamaForCausalLM(CausalLM):
         else:
             for i in range(c.num_hidden_layers):
                 h, kv_cache = layer_fn(h, kv_cache, {n: w[i] for n, w in stacked.items()}, i)
-        return rms_norm(h, self.norm[...], c.rms_norm_eps), kv_cache
+        return self.norm_fn(h, self.norm[...]), kv_cache
 
     def compute_logits(self, hidden):
         """hidden: [R, D] -> logits [R, V] in float32, the real vocabulary only: the

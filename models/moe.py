@@ -45,14 +45,20 @@ def route(router_logits, top_k: int, normalize: bool):
     return weights, experts.astype(jnp.int32)
 
 
-def expert_mlp(x, experts, w_gate, w_up, w_down, first_expert, expected_rows: int | None = None):
+def _scaled(y, scale):
+    """An int8 weight's product, dequantized by its per-column scale (rows: [.., F])."""
+    return y if scale is None else (y * scale).astype(y.dtype)
+
+
+def expert_mlp(x, experts, weights, scales, first_expert, expected_rows: int | None = None):
     """The SiLU-gated expert MLPs of token copies. x: [A, D], experts: [A] int32 (global
-    ids); w_gate / w_up: [E_l, D, F_l], w_down: [E_l, F_l, D] hold experts
-    ``first_expert .. first_expert + E_l - 1``. Returns [A, D]: each copy through its
+    ids); weights = (gate [E_l, D, F_l], up [E_l, D, F_l], down [E_l, F_l, D]) hold
+    experts ``first_expert .. first_expert + E_l - 1``; scales: None, or their int8
+    scales (gate / up [E_l, F_l], down [E_l, D]). Returns [A, D]: each copy through its
     expert, zeros for copies whose expert is held elsewhere (they cost no expert FLOPs:
     they sort after every group). ``expected_rows``: about how many copies are this
     device's (sizes the CPU path's tiles; default A)."""
-    num_local = w_gate.shape[0]
+    num_local = weights[0].shape[0]
     local = experts - first_expert
     mine = (local >= 0) & (local < num_local)
     key = jnp.where(mine, local, num_local)  # elsewhere: a last bucket no group covers
@@ -61,11 +67,14 @@ def expert_mlp(x, experts, w_gate, w_up, w_down, first_expert, expected_rows: in
     xs = x[order]
     if jax.default_backend() == "cpu":
         tile = tile_rows(expected_rows or x.shape[0], num_local)
-        out = tiled_expert_mlp(xs, group_sizes, w_gate, w_up, w_down, tile)
+        out = tiled_expert_mlp(xs, group_sizes, weights, scales, tile)
     else:  # TPU: megablox grouped GEMM; GPU: grouped GEMM
-        gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
-        up = jax.lax.ragged_dot(xs, w_up, group_sizes)
-        out = jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(x.dtype), w_down, group_sizes)
+        row_group = jnp.minimum(key[order], num_local - 1)
+        sg, su, sd = (None,) * 3 if scales is None else (s[row_group] for s in scales)
+        wg, wu, wd = (w.astype(x.dtype) for w in weights)  # int8: the convert fuses into the operand
+        gate = _scaled(jax.lax.ragged_dot(xs, wg, group_sizes), sg)
+        up = _scaled(jax.lax.ragged_dot(xs, wu, group_sizes), su)
+        out = _scaled(jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(x.dtype), wd, group_sizes), sd)
     # Rows past the last group are not defined by every ragged_dot lowering: zero them.
     out = jnp.where(mine[order][:, None], out, 0)
     return jnp.zeros_like(out).at[order].set(out)  # back to the copies' order
@@ -79,16 +88,18 @@ def tile_rows(num_rows: int, num_groups: int) -> int:
     return tile
 
 
-def tiled_expert_mlp(xs, group_sizes, w_gate, w_up, w_down, tile: int | None = None):
+def tiled_expert_mlp(xs, group_sizes, weights, scales=None, tile: int | None = None):
     """The grouped expert MLP as a loop over row tiles (the CPU path: XLA:CPU lowers
     ``ragged_dot`` to a dense product with every group, E_l times the work).
 
     xs: [A, D] rows sorted by group; group_sizes: [E_l] int32 (rows past their sum are
-    left zero). Each tile is ``tile`` rows of one group through that group's weights,
-    so the work is the real rows rounded up per group, and the loop runs only as many
-    tiles as the groups need (a dynamic trip count; at most cdiv(A, tile) + E_l)."""
+    left zero); weights, scales: as ``expert_mlp``. Each tile is ``tile`` rows of one
+    group through that group's weights, so the work is the real rows rounded up per
+    group, and the loop runs only as many tiles as the groups need (a dynamic trip
+    count; at most cdiv(A, tile) + E_l)."""
     a, d = xs.shape
-    w_gate, w_up, w_down = jnp.asarray(w_gate), jnp.asarray(w_up), jnp.asarray(w_down)
+    w_gate, w_up, w_down = (jnp.asarray(w) for w in weights)
+    s_gate, s_up, s_down = (None,) * 3 if scales is None else scales
     num_groups = w_gate.shape[0]
     tile = tile or tile_rows(a, num_groups)
     ends = jnp.cumsum(group_sizes)
@@ -99,12 +110,15 @@ def tiled_expert_mlp(xs, group_sizes, w_gate, w_up, w_down, tile: int | None = N
     # dynamic_slice would shift it onto other rows).
     xp = jnp.concatenate([xs, jnp.zeros((tile, d), xs.dtype)])
 
+    def mm(x, w, s, g):
+        return _scaled(x @ w[g].astype(x.dtype), None if s is None else s[g])
+
     def body(j, out):
         g = jnp.minimum(jnp.searchsorted(tile_ends, j, side="right"), num_groups - 1)
         row0 = starts[g] + (j - tile_starts[g]) * tile
         rows = jax.lax.dynamic_slice_in_dim(xp, row0, tile)
-        h = jax.nn.silu(rows @ w_gate[g]) * (rows @ w_up[g])
-        y = (h.astype(xs.dtype) @ w_down[g]).astype(out.dtype)
+        h = jax.nn.silu(mm(rows, w_gate, s_gate, g)) * mm(rows, w_up, s_up, g)
+        y = mm(h.astype(xs.dtype), w_down, s_down, g).astype(out.dtype)
         valid = (row0 + jnp.arange(tile)) < ends[g]
         old = jax.lax.dynamic_slice_in_dim(out, row0, tile)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(valid[:, None], y, old), row0, 0)
@@ -113,23 +127,23 @@ def tiled_expert_mlp(xs, group_sizes, w_gate, w_up, w_down, tile: int | None = N
     return out[:a]
 
 
-def _moe_local(x, router, w_gate, w_up, w_down, *, top_k, normalize, first_expert):
+def _moe_local(x, router, weights, scales, *, top_k, normalize, first_expert):
     """One device's part: x [T, D] -> [T, D] partial sum of its experts (or mlp columns)."""
     t, d = x.shape
-    weights, experts = route(x @ router, top_k, normalize)
-    mine = t * top_k * w_gate.shape[0] // router.shape[1]  # copies routed here, on average
-    out = expert_mlp(jnp.repeat(x, top_k, axis=0), experts.reshape(-1), w_gate, w_up, w_down, first_expert, mine)
-    return jnp.sum(out.reshape(t, top_k, d).astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
+    gates, experts = route(x @ router, top_k, normalize)
+    mine = t * top_k * weights[0].shape[0] // router.shape[1]  # copies routed here, on average
+    out = expert_mlp(jnp.repeat(x, top_k, axis=0), experts.reshape(-1), weights, scales, first_expert, mine)
+    return jnp.sum(out.reshape(t, top_k, d).astype(jnp.float32) * gates[..., None], axis=1).astype(x.dtype)
 
 
-def _moe_alltoall(x, router, w_gate, w_up, w_down, *, top_k, normalize, axis, ep):
+def _moe_alltoall(x, router, weights, scales, *, top_k, normalize, axis, ep):
     """Expert parallel by token exchange (see the module docstring); x [T, D] replicated
     over ``axis``, T a multiple of ``ep``."""
     t, d = x.shape
     me = jax.lax.axis_index(axis)
-    num_local = w_gate.shape[0]
+    num_local = weights[0].shape[0]
     mine = jax.lax.dynamic_slice_in_dim(x, me * (t // ep), t // ep)  # [Ts, D]
-    weights, experts = route(mine @ router, top_k, normalize)
+    gates, experts = route(mine @ router, top_k, normalize)
     c = mine.shape[0] * top_k  # copies per device: the most one destination can get
     copies = jnp.repeat(mine, top_k, axis=0)  # [C, D]
     flat = experts.reshape(-1)
@@ -140,42 +154,46 @@ def _moe_alltoall(x, router, w_gate, w_up, w_down, *, top_k, normalize, axis, ep
     send_expert = jnp.where(onehot, flat[None], -1)
     recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=False)  # [ep, C, D]: from each source
     recv_expert = jax.lax.all_to_all(send_expert, axis, 0, 0, tiled=False)
-    out = expert_mlp(recv.reshape(ep * c, d), recv_expert.reshape(-1), w_gate, w_up, w_down, me * num_local, c)
+    out = expert_mlp(recv.reshape(ep * c, d), recv_expert.reshape(-1), weights, scales, me * num_local, c)
     back = jax.lax.all_to_all(out.reshape(ep, c, d), axis, 0, 0, tiled=False)  # [ep, C, D]: per owner
     done = jnp.sum(jnp.where(onehot[..., None], back, 0), axis=0)  # [C, D]
-    combined = jnp.sum(done.reshape(-1, top_k, d).astype(jnp.float32) * weights[..., None], axis=1)
+    combined = jnp.sum(done.reshape(-1, top_k, d).astype(jnp.float32) * gates[..., None], axis=1)
     return jax.lax.all_gather(combined.astype(x.dtype), axis, axis=0, tiled=True)
 
 
-def moe_block(x, router, w_gate, w_up, w_down, *, top_k: int, normalize: bool, mesh: Mesh | None,
+def moe_block(x, router, weights, scales=None, *, top_k: int, normalize: bool, mesh: Mesh | None,
               expert_parallel: bool, strategy: str = "allgather"):
     """The MoE feed-forward of one layer. x: [T, D] (split over 'data' with data
-    parallelism); router: [D, E]; w_gate / w_up: [E, D, F]; w_down: [E, F, D], laid out
-    over 'model' by experts (``expert_parallel``) or by F. Returns [T, D]."""
+    parallelism); router: [D, E]; weights = (gate [E, D, F], up [E, D, F], down
+    [E, F, D]), laid out over 'model' by experts (``expert_parallel``) or by F; scales:
+    None, or their int8 scales ([E, F], [E, F], [E, D]). Returns [T, D]."""
     kw = dict(top_k=top_k, normalize=normalize)
+    weights = tuple(weights)
+    scales = tuple(scales) if scales is not None else None
     if mesh is None or mesh.size == 1:
-        return _moe_local(x, router, w_gate, w_up, w_down, first_expert=0, **kw)
+        return _moe_local(x, router, weights, scales, first_expert=0, **kw)
     tp = mesh.shape["model"]
     tokens = P("data", None)
     if expert_parallel:
-        experts = P("model", None, None)
-        w_specs = (experts, experts, experts)
+        w_specs, s_specs = (P("model", None, None),) * 3, (P("model", None),) * 3
     else:
         w_specs = (P(None, None, "model"), P(None, None, "model"), P(None, "model", None))
+        s_specs = (P(None, "model"), P(None, "model"), P(None, None))
+    in_specs = (tokens, P(), w_specs, s_specs if scales is not None else None)
     if expert_parallel and strategy == "alltoall" and tp > 1:
-        local = functools.partial(_moe_alltoall, axis="model", ep=tp, **kw)
         if (x.shape[0] // mesh.shape["data"]) % tp:  # each device takes an equal share
             raise ValueError(f"the all-to-all exchange needs each rank's tokens to be a multiple of {tp}")
-        return jax.shard_map(local, mesh=mesh, in_specs=(tokens, P(), *w_specs), out_specs=tokens,
-                             check_vma=False)(x, router, w_gate, w_up, w_down)
+        local = functools.partial(_moe_alltoall, axis="model", ep=tp, **kw)
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tokens,
+                             check_vma=False)(x, router, weights, scales)
 
-    def local(x, router, w_gate, w_up, w_down):
-        first = jax.lax.axis_index("model") * w_gate.shape[0] if expert_parallel else 0
-        part = _moe_local(x, router, w_gate, w_up, w_down, first_expert=first, **kw)
+    def local(x, router, weights, scales):
+        first = jax.lax.axis_index("model") * weights[0].shape[0] if expert_parallel else 0
+        part = _moe_local(x, router, weights, scales, first_expert=first, **kw)
         return jax.lax.psum(part, "model")
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, P(), *w_specs), out_specs=tokens,
-                         check_vma=False)(x, router, w_gate, w_up, w_down)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tokens,
+                         check_vma=False)(x, router, weights, scales)
 
 
 # Axis sizes of the expert params, as ModelArchConfig fields.
@@ -229,6 +247,7 @@ class SparseMoeMLP:
 
     def mlp(self, x, lw):
         c = self.config
-        return moe_block(x, lw["router"], lw["experts_gate"], lw["experts_up"], lw["experts_down"],
-                         top_k=c.num_experts_per_tok, normalize=c.norm_topk_prob, mesh=self.mesh,
-                         expert_parallel=c.expert_parallel)
+        names = ("experts_gate", "experts_up", "experts_down")
+        scales = tuple(lw[n + "_scale"] for n in names) if "experts_gate_scale" in lw else None
+        return moe_block(x, lw["router"], tuple(lw[n] for n in names), scales, top_k=c.num_experts_per_tok,
+                         normalize=c.norm_topk_prob, mesh=self.mesh, expert_parallel=c.expert_parallel)

@@ -9,6 +9,7 @@ from models.base import MODEL, Weight
 from models.config import ModelArchConfig
 from models.llama import LAYER
 from models.moe import SparseMoeMLP, moe_arch_fields
+from models.quantization import linear
 from models.qwen2 import Qwen2ForCausalLM
 
 _L, _D, _FS = "num_hidden_layers", "hidden_size", "shared_expert_intermediate_size"
@@ -42,5 +43,6 @@ class Qwen2MoeForCausalLM(SparseMoeMLP, Qwen2ForCausalLM):
         out = super().mlp(x, lw)
         if not self.config.shared_expert_intermediate_size:
             return out
-        shared = (jax.nn.silu(x @ lw["shared_gate_proj"]) * (x @ lw["shared_up_proj"])) @ lw["shared_down_proj"]
+        shared = linear(jax.nn.silu(linear(x, lw, "shared_gate_proj")) * linear(x, lw, "shared_up_proj"), lw,
+                        "shared_down_proj")
         return out + jax.nn.sigmoid(x @ lw["shared_expert_gate"]) * shared

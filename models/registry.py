@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 
 _MODEL_REGISTRY = {
+    "Gemma2ForCausalLM": ("models.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("models.gemma3", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("models.mistral", "MistralForCausalLM"),
     "MixtralForCausalLM": ("models.mixtral", "MixtralForCausalLM"),

@@ -206,10 +206,12 @@ def check_checkpoint_names(ckpt: SafetensorsCheckpoint, arch: ModelArchConfig, m
 
 
 def stream_safetensors(model_dir: str | Path, arch: ModelArchConfig, model_cls, mesh: Mesh, dtype, *,
-                       progress: bool = True) -> dict[str, jax.Array]:
+                       progress: bool = True, transform=None) -> dict[str, jax.Array]:
     """{our name: jax.Array} for every entry of ``model_cls.weight_map(arch)``, ``arch``
     being the effective (tensor-parallel) architecture: each in ``dtype``, shaped as
-    served and placed with the partitioning its Weight declares."""
+    served and placed with the partitioning its Weight declares. ``transform(name,
+    array) -> {name: array}`` (quantization) runs on each param as soon as it is
+    placed, so only one param is ever held in ``dtype`` beside the transformed ones."""
     ckpt = SafetensorsCheckpoint(model_dir)
     check_checkpoint_names(ckpt, arch, model_cls)
     weight_map = model_cls.weight_map(arch)
@@ -218,10 +220,15 @@ def stream_safetensors(model_dir: str | Path, arch: ModelArchConfig, model_cls, 
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for name, w in weight_map.items():
             sharding = NamedSharding(mesh, P(*w.partition))
-            params[name] = jax.make_array_from_callback(w.shape(arch), sharding, _ShardReader(ckpt, w, arch, dtype),
-                                                        dtype=dtype)
+            value = jax.make_array_from_callback(w.shape(arch), sharding, _ShardReader(ckpt, w, arch, dtype),
+                                                 dtype=dtype)
             # Back-pressure: host-to-device copies may be asynchronous (accelerators);
             # waiting here keeps at most one param's host buffers alive at a time.
-            params[name].block_until_ready()
+            value.block_until_ready()
+            if transform is None:
+                params[name] = value
+            else:
+                params.update(jax.block_until_ready(transform(name, value)))
+                del value
             bar.update(arch.num_hidden_layers if w.per_layer else 1)
     return params

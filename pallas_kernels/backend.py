@@ -21,6 +21,7 @@ import functools
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -91,7 +92,8 @@ def get_kv_write_fn(backend: str = "auto", platform: str | None = None, interpre
 
 
 def build_attention(backend: str, platform: str | None, mesh: Mesh | None, *, sm_scale: float,
-                    sliding_window: int | None = None, interpret=False) -> Callable:
+                    sliding_window: int | None = None, sliding_window_layers: tuple[bool, ...] | None = None,
+                    soft_cap: float | None = None, interpret=False) -> Callable:
     """The per-layer attention of a model step (see the module docstring).
 
     The KV write comes first, per layer, so a request later in the batch sees blocks an
@@ -99,14 +101,35 @@ def build_attention(backend: str, platform: str | None, mesh: Mesh | None, *, sm
     one device both run under shard_map, each device on its own rank's tokens and pages
     and its own heads: a Pallas kernel has no partitioning
     rule, and left to GSPMD its operands, the whole stacked cache included, would be
-    gathered onto every device."""
+    gathered onto every device.
+
+    ``sliding_window_layers`` (Gemma's interleaved layers): which layers use
+    ``sliding_window``; the others attend to the whole context. A traced ``layer`` (under
+    the layer scan) picks between the two kernels with ``lax.switch`` (both compiled,
+    one runs); None: every layer uses ``sliding_window``."""
     attend = get_attention_fn(backend, platform, interpret=interpret)
     write = get_kv_write_fn(backend, platform, interpret=interpret)
+    if sliding_window is None or sliding_window_layers is None or all(sliding_window_layers):
+        windows = None
+    elif not any(sliding_window_layers):
+        windows, sliding_window = None, None
+    else:
+        windows = tuple(bool(w) for w in sliding_window_layers)
+
+    def run(window, q, kv_cache, layer, md):
+        return attend(q, kv_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs.reshape(()),
+                      sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap, layer=layer)
 
     def local(q, k, v, kv_cache, layer, md):
         kv_cache = write(kv_cache, k, v, md.slot_mapping, layer=layer)
-        o = attend(q, kv_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs.reshape(()),
-                   sm_scale=sm_scale, sliding_window=sliding_window, layer=layer)
+        if windows is None:
+            o = run(sliding_window, q, kv_cache, layer, md)
+        elif isinstance(layer, int):
+            o = run(sliding_window if windows[layer] else None, q, kv_cache, layer, md)
+        else:
+            kind = jnp.asarray(windows, jnp.int32)[layer]
+            o = jax.lax.switch(kind, [functools.partial(run, None), functools.partial(run, sliding_window)],
+                               q, kv_cache, layer, md)
         return o, kv_cache
 
     if mesh is None or mesh.size == 1:

@@ -145,6 +145,10 @@ def ragged_paged_attention(
         keys, values = kv[..., 0, :], kv[..., 1, :]  # [NB, L, K, H]
         kpos = c * chunk_tokens + jnp.arange(chunk_tokens)  # [L]
         in_ctx = kpos[None, :] < blk_kv_len[:, None]  # [NB, L]
+        if sliding_window is not None:
+            # Pages behind every query's window may already belong to another request
+            # (the scheduler gives them back): never let their contents into a product.
+            in_ctx &= kpos[None, :] > pos_b[:, :1] - sliding_window
         # Unused page slots may hold anything (NaN included): zero them before any product.
         keys = jnp.where(in_ctx[:, :, None, None], keys, 0.0)
         values = jnp.where(in_ctx[:, :, None, None], values, 0.0)

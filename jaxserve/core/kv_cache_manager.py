@@ -12,10 +12,18 @@ class KVCacheManager:
 
     Invariant: a request's i-th block holds tokens [i*block_size, (i+1)*block_size);
     ``num_cached_block[req]`` of them are hashed (full and registered for reuse).
+
+    ``sliding_window`` (a model whose every layer attends to the last W tokens only, as
+    vLLM's SlidingWindowManager): a block whose tokens all lie W or more positions
+    before the next token to compute is never read again, so it goes back to the pool
+    (still hashed, for prefix hits) and the request's list holds the null block in its
+    place. A long request then holds about W / block_size + 1 blocks, not its context.
     """
 
-    def __init__(self, num_gpu_blocks: int, block_size: int, max_model_len: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_gpu_blocks: int, block_size: int, max_model_len: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
@@ -76,6 +84,7 @@ class KVCacheManager:
             raise ValueError("num_new_tokens must be greater than 0")
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks[request.request_id]
+        self.remove_skipped_blocks(req_blocks, request.num_computed_tokens)
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         num_required_blocks = cdiv(num_tokens_need_slot, self.block_size)
@@ -104,6 +113,25 @@ class KVCacheManager:
             self.block_pool.cache_full_blocks(request, req_blocks, num_cached, num_full)
             self.num_cached_block[request.request_id] = max(num_cached, num_full)
         return new_blocks
+
+    def remove_skipped_blocks(self, blocks: list[KVCacheBlock], num_computed_tokens: int) -> None:
+        """Sliding window: give back the blocks no query from ``num_computed_tokens`` on can
+        see (the token at position p attends to keys p - W + 1 .. p), newest first."""
+        if self.sliding_window is None:
+            return
+        first_needed = num_computed_tokens - self.sliding_window + 1
+        num_skipped = min(max(first_needed, 0) // self.block_size, len(blocks))
+        freed = []
+        for i in range(num_skipped - 1, -1, -1):
+            if blocks[i].is_null:
+                break  # everything before was freed by an earlier step
+            freed.append(blocks[i])
+            blocks[i] = self.block_pool.null_block
+        self.block_pool.free_blocks(freed)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds (the null block standing in for freed ones excluded)."""
+        return sum(not b.is_null for b in self.req_to_blocks.get(request_id, []))
 
     def free(self, request) -> None:
         """Release the request's blocks, tail first (so the prefix head is evicted last).

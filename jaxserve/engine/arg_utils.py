@@ -49,6 +49,12 @@ def _attention_backends() -> tuple[str, ...]:
     return BACKENDS
 
 
+def _quantization_methods() -> tuple[str, ...]:
+    from models.quantization import QUANTIZATION_METHODS
+
+    return QUANTIZATION_METHODS
+
+
 def _reasoning_parsers() -> tuple[str, ...]:
     from jaxserve.reasoning import REASONING_PARSERS
 
@@ -70,6 +76,9 @@ class EngineArgs:
         "Model name in the API (default: the model argument, or SmolLM2-135M-Instruct)."))
     dtype: str = field(default="auto", metadata=_arg(
         "Weights / activation dtype (auto: float32 on CPU, bfloat16 on accelerators).", choices=DTYPES))
+    quantization: str | None = field(default=None, metadata=_arg(
+        "Weight-only quantization at load: int8 (per-channel symmetric; projections only, the embedding, "
+        "lm_head, norms and MoE router stay in --dtype).", choices=_quantization_methods, flags=("-q",)))
     max_model_len: int | None = field(default=None, metadata=_arg(
         f"Context length (default: the model's, at most {DEFAULT_MAX_MODEL_LEN})."))
     seed: int = field(default=0, metadata=_arg("Seed for unseeded sampling."))
@@ -198,7 +207,8 @@ class EngineArgs:
             model=path, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
             served_model_name=self.served_model_name or self.model or DEFAULT_MODEL_NAME,
             max_logprobs=self.max_logprobs, attention_backend=self.attention_backend, scan_layers=self.scan_layers,
-            generation_config=self.generation_config, override_generation_config=self.override_generation_config)
+            generation_config=self.generation_config, override_generation_config=self.override_generation_config,
+            quantization=self.quantization)
         defaults = model_config.get_diff_sampling_param()
         if defaults:
             logger.info("Sampling defaults from the model's generation config: %s (a request's own values win; "

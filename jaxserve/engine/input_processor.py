@@ -10,12 +10,16 @@ from jaxserve.sampling_params import SamplingParams
 class InputProcessor:
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_logprobs: int,
                  eos_token_ids: set[int], primary_eos: int | None = None,
-                 kv_cache_tokens: int | None = None, structured_output_manager=None) -> None:
+                 kv_cache_tokens: int | None = None, structured_output_manager=None,
+                 window_tokens: int | None = None) -> None:
         self.tokenizer = tokenizer
         # Tokens the whole KV cache holds. Sized from memory it holds max_model_len; a
         # small num_gpu_blocks_override may not, and a request that cannot fit even
         # alone would be preempted and recomputed forever.
         self.kv_cache_tokens = kv_cache_tokens
+        # Sliding-window models: the most KV slots one request ever holds (the window,
+        # one step's tokens and a partial block), whatever its length.
+        self.window_tokens = window_tokens
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
@@ -88,6 +92,8 @@ class InputProcessor:
         max_tokens = max(max_tokens, 1)
         # The last sampled token is returned, never written to the cache.
         needed = min(prompt_len + max_tokens - 1, self.max_model_len)
+        if self.window_tokens is not None:
+            needed = min(needed, self.window_tokens)
         if self.kv_cache_tokens is not None and needed > self.kv_cache_tokens:
             raise ValueError(
                 f"max_tokens: the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) needs {needed} KV cache "

@@ -46,6 +46,8 @@ class LLMEngine:
             max_logprobs=mc.max_logprobs, eos_token_ids=eos,
             primary_eos=self.eos_token_id,
             kv_cache_tokens=(runner.num_blocks - 1) * config.cache_config.block_size,
+            window_tokens=(runner.kv_sliding_window + config.scheduler_config.max_num_batched_tokens
+                           + 2 * config.cache_config.block_size) if runner.kv_sliding_window else None,
             structured_output_manager=self.structured_output_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Tests and drills: JAXSERVE_FAULTS (engine/fault_injection.py); None normally.

@@ -40,6 +40,7 @@ from jaxserve.sample.metadata import SamplingMetadata
 from jaxserve.sample.rejection_sampler import rejection_sample
 from jaxserve.sample.sampler import compute_logprobs, sample
 from models.attention_metadata import AttentionMetadata
+from models.config import attention_settings
 from models.loader import load_model
 from pallas_kernels.backend import build_attention, resolve_backend
 
@@ -150,7 +151,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.arch, self.graphdef, self.state = load_model(model_path, mesh=self.mesh, dtype=self.dtype,
                                                           progress=progress, scan_layers=mc.scan_layers,
-                                                          expert_parallel=pc.enable_expert_parallel)
+                                                          expert_parallel=pc.enable_expert_parallel,
+                                                          quantization=mc.quantization)
         self.vocab_size = self.arch.vocab_size
         logger.info("Loaded %s (%s) in %.1f s", model_path, self.arch.architecture, time.perf_counter() - t0)
         self.token_buckets = BucketTable(config.token_buckets or power_of_two_buckets(MIN_TOKEN_BUCKET, self.max_num_tokens))
@@ -184,12 +186,21 @@ class ModelRunner:
         self._seed_rng = np.random.default_rng(mc.seed)
         self.attention_backend, _ = resolve_backend(mc.attention_backend, self.platform)
         # On CPU the pallas kernels run under the Pallas interpreter (tests, debugging).
-        self._attention = build_attention(
-            mc.attention_backend, self.platform, self.mesh, sm_scale=self.arch.head_dim ** -0.5,
-            sliding_window=self.arch.sliding_window, interpret=self.platform == "cpu")
+        self._attention = build_attention(mc.attention_backend, self.platform, self.mesh,
+                                          interpret=self.platform == "cpu", **attention_settings(self.arch))
         self._build_step_functions()
         if self.draft is not None:
             self._jitted[DraftKey] = self.draft.jitted
+
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window the scheduler may free KV blocks behind: set when every layer of the
+        model slides (Mistral), None when some layer reads the whole context (Gemma's
+        global layers) or a draft model shares the pages (it may not slide)."""
+        a = self.arch
+        if a.sliding_window is None or (a.sliding_window_layers is not None and not all(a.sliding_window_layers)):
+            return None
+        return None if self.draft is not None else a.sliding_window
 
     def _local_device(self) -> jax.Device:
         """A mesh device of this process (multi-host: only those report memory stats)."""

@@ -31,6 +31,7 @@ from jaxserve.runner.kv_cache import allocate_kv_cache, kv_cache_sharding
 from jaxserve.runner.program_key import DraftKey
 from jaxserve.sample.sampler import fast_argmax
 from models.attention_metadata import AttentionMetadata
+from models.config import attention_settings
 from models.loader import load_model
 from pallas_kernels.backend import build_attention
 
@@ -45,10 +46,8 @@ class DraftModelProposer:
         if self.arch.vocab_size != runner.vocab_size:
             raise ValueError(f"speculative_config.model: the draft model's vocabulary ({self.arch.vocab_size}) "
                              f"differs from the target's ({runner.vocab_size}); it needs the same tokenizer")
-        self.attention = build_attention(
-            runner.config.model_config.attention_backend, runner.platform, runner.mesh,
-            sm_scale=self.arch.head_dim ** -0.5, sliding_window=self.arch.sliding_window,
-            interpret=runner.platform == "cpu")
+        self.attention = build_attention(runner.config.model_config.attention_backend, runner.platform, runner.mesh,
+                                         interpret=runner.platform == "cpu", **attention_settings(self.arch))
         self.kv_cache = None  # allocate_kv_cache() once the runner knows its page count
         largest = runner.max_num_tokens + runner.max_num_reqs
         self.buckets = BucketTable(sorted(set(runner.token_buckets) | {cdiv(largest, 16) * 16}))

@@ -38,6 +38,9 @@ ARCHS = [
     ("qwen3_moe", dict(kv_heads=2, seed=1)),
     ("qwen2_moe", dict(kv_heads=2)),
     ("mixtral", dict(kv_heads=2)),
+    # Gemma: sliding (window 8 < the prompts) and global layers, soft-capping (2), q/k norm (3).
+    ("gemma2", dict(kv_heads=2)),
+    ("gemma3", dict(kv_heads=2)),
 ]
 
 
@@ -89,7 +92,7 @@ def test_engine_modes_give_same_tokens(tiny_models, mode):
 
 
 @pytest.mark.parametrize("arch,kw", [("qwen3", dict(tie=True)), ("qwen3_moe", dict(seed=1)), ("qwen2_moe", {}),
-                                     ("mixtral", {})])
+                                     ("mixtral", {}), ("gemma2", {}), ("gemma3", {})])
 def test_logits_close_to_hf(tiny_models, arch, kw):
     """Prompt logprobs (log-softmax of every position's logits) match HF within f32 tolerance."""
     path = tiny_models(arch, kv_heads=2, **kw)
@@ -114,9 +117,11 @@ def test_logits_close_to_hf(tiny_models, arch, kw):
     assert sample[tok].logprob == pytest.approx(ref_lp[-1, tok], abs=1e-4) and sample[tok].rank == 1
 
 
-def test_moe_chunked_prefill_and_preemption(tiny_models):
-    """A MoE model under chunked prefill, prefix-cache hits and preemption: HF's tokens."""
-    path = tiny_models("mixtral", kv_heads=2)
+@pytest.mark.parametrize("arch", ["mixtral", "gemma3"])
+def test_chunked_prefill_and_preemption(tiny_models, arch):
+    """MoE and interleaved sliding-window models under chunked prefill, prefix-cache hits
+    and preemption: HF's tokens."""
+    path = tiny_models(arch, kv_heads=2)
     hf = HFReference(path)
     shared = prompts(8, [40])[0]
     ps = [shared + q for q in prompts(9, [9, 21])] + prompts(10, [35, 6])
@@ -125,7 +130,7 @@ def test_moe_chunked_prefill_and_preemption(tiny_models):
     assert llm.llm_engine.scheduler.num_preemptions > 0
     for p, o in zip(ps, ours):
         ref, margins = hf.greedy(p, 20)
-        assert_greedy_match(o, ref, margins, f"mixtral len {len(p)}")
+        assert_greedy_match(o, ref, margins, f"{arch} len {len(p)}")
 
 
 def test_prompt_logprobs_returned_once_despite_preemption(tiny_models):
@@ -184,12 +189,36 @@ def test_priority_preemption_step_with_no_tokens(tiny_models):
         assert_greedy_match(finished[rid].outputs[0].token_ids, ref, margins, rid)
 
 
-def test_pallas_backend_in_interpret_mode_matches_reference(tiny_models):
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: per-layer windows and soft-capping in the kernel
+def test_pallas_backend_in_interpret_mode_matches_reference(tiny_models, arch):
     """The engine end to end with attention_backend="pallas" (TPU kernel, interpreted on CPU)."""
-    path = tiny_models("llama", kv_heads=2)
+    path = tiny_models(arch, kv_heads=2)
     ps = prompts(6, [5, 40, 17]) + [prompts(6, [5])[0] + [7, 8, 9]]
     kw = dict(max_num_batched_tokens=32)  # chunked prefill + decode mixes
     ref = run(make_llm(path, attention_backend="reference", **kw), ps)
     llm = make_llm(path, attention_backend="pallas", **kw)
     assert llm.llm_engine.model_runner.attention_backend == "pallas"
     assert run(llm, ps) == ref
+
+
+def test_sliding_window_frees_blocks_and_matches_hf(tiny_models):
+    """Mistral with a 24-token window on every layer: one long request decodes past
+    several windows, holds at most window + 2 blocks' worth of KV at any step (the rest
+    go back to the pool), and still gives HF's tokens; its KV would not even fit in the
+    cache whole."""
+    path = tiny_models("mistral", kv_heads=2, sliding_window=24)
+    hf = HFReference(path)
+    p = prompts(11, [30])[0]
+    llm = make_llm(path, num_gpu_blocks_override=12, max_num_batched_tokens=16)  # 11 blocks = 176 tokens
+    engine, kvm = llm.llm_engine, llm.llm_engine.scheduler.kv_cache_manager
+    assert engine.model_runner.kv_sliding_window == 24
+    engine.add_request("long", {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    held, out = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o if o.finished else out
+        if "long" in kvm.req_to_blocks:
+            held.append(kvm.num_held_blocks("long"))
+    assert max(held) <= (24 + 16) // 16 + 2, held
+    ref, margins = hf.greedy(p, 200)
+    assert_greedy_match(out.outputs[0].token_ids, ref, margins, "mistral window 24")

@@ -33,9 +33,26 @@ def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv
     elif arch == "qwen2":
         cfg = transformers.Qwen2Config(**common)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**common, head_dim=16)  # sliding_window via config_kw
+        model = transformers.MistralForCausalLM(cfg)
     elif arch == "qwen3":
         cfg = transformers.Qwen3Config(**common, head_dim=16)
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif arch in ("gemma2", "gemma3"):
+        # A window of 8 tokens (shorter than the test prompts), one sliding and one global layer.
+        gemma = dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                     layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (
+                         layers % 2))
+        gemma.update({k: v for k, v in common.items() if k not in gemma})
+        if arch == "gemma2":
+            # Caps small enough to bite on a tiny model's scores (the defaults, 50 / 30, never would).
+            cfg = transformers.Gemma2Config(**{"attn_logit_softcapping": 0.5, "final_logit_softcapping": 5.0,
+                                               **gemma})
+            model = transformers.Gemma2ForCausalLM(cfg)
+        else:
+            cfg = transformers.Gemma3TextConfig(**gemma)
+            model = transformers.Gemma3ForCausalLM(cfg)
     elif arch in MOE_ARCHS:
         # 8 experts, top 2 (MoE parity needs >= 8 experts); small expert mlp dims.
         moe = dict(num_experts_per_tok=2, **{k: v for k, v in config_kw.items() if k in _MOE_KEYS})
@@ -61,6 +78,8 @@ def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv
                 p.mul_(4.0)
             elif name.endswith("bias"):  # HF initialises biases to zero: a mapping bug would hide
                 p.normal_(0, 0.5)
+            elif arch.startswith("gemma") and name.endswith("norm.weight"):  # (1 + w) norms start at w = 0
+                p.normal_(0, 0.3)
     model = model.float().eval()
     model.save_pretrained(path)
     if tokenizer == "bytes":

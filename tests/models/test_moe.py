@@ -46,7 +46,7 @@ def test_route_softmax_topk_and_renormalisation():
 def test_one_device_equals_dense_loop(normalize):
     router, gate, up, down = weights()
     x = np.random.default_rng(1).normal(0, 1, (37, D)).astype(np.float32)
-    got = moe_block(x, router, gate, up, down, top_k=K, normalize=normalize, mesh=None, expert_parallel=False)
+    got = moe_block(x, router, (gate, up, down), top_k=K, normalize=normalize, mesh=None, expert_parallel=False)
     np.testing.assert_allclose(got, dense_reference(x, router, gate, up, down, normalize), rtol=2e-5, atol=2e-5)
 
 
@@ -65,14 +65,14 @@ def test_sharded_layouts_equal_one_device(dp, tp, ep, strategy):
     # Every token of the second half prefers expert 5: one device gets most of the copies
     # (no capacity limit drops any).
     x[16:] += 3 * router[:, 5] / np.linalg.norm(router[:, 5])
-    want = moe_block(x, router, gate, up, down, top_k=K, normalize=True, mesh=None, expert_parallel=False)
+    want = moe_block(x, router, (gate, up, down), top_k=K, normalize=True, mesh=None, expert_parallel=False)
     mesh = _mesh(dp, tp)
     put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
     if ep:
         w = [put(a, "model", None, None) for a in (gate, up, down)]
     else:
         w = [put(gate, None, None, "model"), put(up, None, None, "model"), put(down, None, "model", None)]
-    fn = jax.jit(lambda x, r, g, u, d: moe_block(x, r, g, u, d, top_k=K, normalize=True, mesh=mesh,
+    fn = jax.jit(lambda x, r, g, u, d: moe_block(x, r, (g, u, d), top_k=K, normalize=True, mesh=mesh,
                                                  expert_parallel=ep, strategy=strategy))
     got = fn(put(x, "data", None), put(router), *w)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
@@ -94,6 +94,6 @@ def test_tiled_expert_mlp_equals_ragged_dot(tile):
     sizes = jnp.array([0, 3, 17, 8, 0, 1, 24, 2], jnp.int32)  # 55 of 60 rows
     want = jax.lax.ragged_dot(jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes),
                               down, sizes)
-    got = jax.jit(tiled_expert_mlp, static_argnames="tile")(xs, sizes, gate, up, down, tile=tile)
+    got = jax.jit(tiled_expert_mlp, static_argnames="tile")(xs, sizes, (gate, up, down), tile=tile)
     np.testing.assert_allclose(got[:55], want[:55], rtol=2e-5, atol=2e-5)
     assert not np.any(np.asarray(got[55:]))

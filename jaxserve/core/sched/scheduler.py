@@ -99,9 +99,12 @@ class Scheduler:
         structured_output_manager: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
         token_bucket=None,
+        sliding_window: int | None = None,
     ) -> None:
         """token_bucket: the runner's padded token count for a count (speculative
-        decoding weighs drafts by the measured time of the bucket they lead to)."""
+        decoding weighs drafts by the measured time of the bucket they lead to).
+        sliding_window: every layer of the model attends to this many tokens at most, so
+        blocks behind the window are given back (KVCacheManager)."""
         self.scheduler_config = scheduler_config
         self.speculative_config = speculative_config
         self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
@@ -121,7 +124,8 @@ class Scheduler:
         self.policy = scheduler_config.policy
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            num_gpu_blocks, self.block_size, self.max_model_len, cache_config.enable_prefix_caching
+            num_gpu_blocks, self.block_size, self.max_model_len, cache_config.enable_prefix_caching,
+            sliding_window=sliding_window,
         )
         # Hashes are only needed with prefix caching; computing them is not free.
         self.block_hasher = get_request_block_hasher(self.block_size) if cache_config.enable_prefix_caching else None
