@@ -93,7 +93,8 @@ def get_kv_write_fn(backend: str = "auto", platform: str | None = None, interpre
 
 def build_attention(backend: str, platform: str | None, mesh: Mesh | None, *, sm_scale: float,
                     sliding_window: int | None = None, sliding_window_layers: tuple[bool, ...] | None = None,
-                    soft_cap: float | None = None, interpret=False) -> Callable:
+                    soft_cap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                    interpret=False) -> Callable:
     """The per-layer attention of a model step (see the module docstring).
 
     The KV write comes first, per layer, so a request later in the batch sees blocks an
@@ -106,7 +107,12 @@ def build_attention(backend: str, platform: str | None, mesh: Mesh | None, *, sm
     ``sliding_window_layers`` (Gemma's interleaved layers): which layers use
     ``sliding_window``; the others attend to the whole context. A traced ``layer`` (under
     the layer scan) picks between the two kernels with ``lax.switch`` (both compiled,
-    one runs); None: every layer uses ``sliding_window``."""
+    one runs); None: every layer uses ``sliding_window``.
+
+    ``k_scale`` / ``v_scale``: per-tensor scales of a float8 cache (stored = value /
+    scale, saturating). Dequantizing is folded into the kernels' existing products: the
+    scores' scale becomes sm_scale * k_scale and the output is multiplied by v_scale,
+    so the kernels only widen the 8-bit rows they load."""
     attend = get_attention_fn(backend, platform, interpret=interpret)
     write = get_kv_write_fn(backend, platform, interpret=interpret)
     if sliding_window is None or sliding_window_layers is None or all(sliding_window_layers):
@@ -117,10 +123,13 @@ def build_attention(backend: str, platform: str | None, mesh: Mesh | None, *, sm
         windows = tuple(bool(w) for w in sliding_window_layers)
 
     def run(window, q, kv_cache, layer, md):
-        return attend(q, kv_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs.reshape(()),
-                      sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap, layer=layer)
+        o = attend(q, kv_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs.reshape(()),
+                   sm_scale=sm_scale * k_scale, sliding_window=window, soft_cap=soft_cap, layer=layer)
+        return o if v_scale == 1.0 else (o * v_scale).astype(o.dtype)
 
     def local(q, k, v, kv_cache, layer, md):
+        if k_scale != 1.0 or v_scale != 1.0:
+            k, v = k / k_scale, v / v_scale
         kv_cache = write(kv_cache, k, v, md.slot_mapping, layer=layer)
         if windows is None:
             o = run(sliding_window, q, kv_cache, layer, md)

@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.inputs import layer_index, validate_inputs
+from pallas_kernels.inputs import compute_dtype, layer_index, validate_inputs
 
 _KV_BLOCK = 64  # keys per inner-loop iteration
 _MIN_DOT = 16  # Triton's minimum matmul dimension
@@ -137,6 +137,7 @@ def _kernel(
         kv_mask = key_ok[:, None] & hd_ok[None, :]
         k = plgpu.load(kv_at(page[:, None], slot[:, None], 2 * kv_head, hd_c[None, :]), mask=kv_mask, other=0.0)
         v = plgpu.load(kv_at(page[:, None], slot[:, None], 2 * kv_head + 1, hd_c[None, :]), mask=kv_mask, other=0.0)
+        k, v = compute_dtype(k, q.dtype), compute_dtype(v, q.dtype)  # fp8 cache: widened in registers
         s = lax.dot_general(
             q, k.astype(q.dtype), (((1,), (1,)), ((), ())),
             precision=precision, preferred_element_type=jnp.float32,

@@ -33,6 +33,21 @@ def validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, *, sliding_wi
         raise ValueError("soft_cap must not be 0")
 
 
+def to_cache_dtype(x, dtype):
+    """New K/V rows in the cache's dtype. float8 (e4m3fn) has no infinity: a value past
+    its range would become NaN, so it saturates at the largest finite value instead."""
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8:
+        big = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -big, big)
+    return x.astype(dtype)
+
+
+def compute_dtype(kv, like):
+    """K/V read from an 8-bit cache, widened for the products (``like``: q's dtype);
+    wider caches are used as they are."""
+    return kv.astype(like) if jnp.dtype(kv.dtype).itemsize == 1 else kv
+
+
 def layer_index(kv_cache, layer):
     """The layer of a stacked cache as the int32 [1] operand the kernels read (0 when not stacked).
 

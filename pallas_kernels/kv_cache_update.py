@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.inputs import layer_index
+from pallas_kernels.inputs import layer_index, to_cache_dtype
 
 _TOKENS_PER_BLOCK = 128
 
@@ -67,7 +67,7 @@ def write_kv_cache(kv_cache, k, v, slot_mapping, *, layer=None, interpret=False)
     layer = layer_index(kv_cache, layer)
     page_size, two_k, head_dim = kv_cache.shape[-3:]
     t = k.shape[0]
-    new = jnp.stack([k, v], axis=2).reshape(t, two_k, head_dim).astype(kv_cache.dtype)
+    new = to_cache_dtype(jnp.stack([k, v], axis=2).reshape(t, two_k, head_dim), kv_cache.dtype)
     bt = min(_TOKENS_PER_BLOCK, t)
     t_pad = pl.cdiv(t, bt) * bt
     if t_pad != t:

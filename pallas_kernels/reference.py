@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.inputs import to_cache_dtype
+
 # Pages gathered per loop iteration, at most: enough work per iteration to hide the
 # loop overhead on CPU, small enough that a short context does not waste much.
 _PAGES_PER_CHUNK = 8
@@ -49,7 +51,7 @@ def write_kv_cache(kv_cache, k, v, slot_mapping, *, layer=None):
     """
     page_size, two_k, head_dim = kv_cache.shape[-3:]
     t = k.shape[0]
-    new = jnp.stack([k, v], axis=2).reshape(t, two_k, head_dim).astype(kv_cache.dtype)
+    new = to_cache_dtype(jnp.stack([k, v], axis=2).reshape(t, two_k, head_dim), kv_cache.dtype)
     pages = slot_mapping // page_size
     offsets = slot_mapping % page_size
     if layer is not None:

@@ -64,7 +64,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.inputs import layer_index, validate_inputs
+from pallas_kernels.inputs import compute_dtype, layer_index, validate_inputs
 
 # Tokens per kv block we aim for, and the cap on pages (= DMA descriptors) per block.
 _KV_BLOCK_TOKENS = 256
@@ -109,7 +109,8 @@ def _load_kv(kv_bufs, buf, kv_head, *, hardware: bool):
         v = flat[2 * kv_head + 1 :: two_k, :]
         return k, v
     if kv_bufs.dtype != jnp.bfloat16:
-        raise NotImplementedError(f"kv cache dtype {kv_bufs.dtype} (f32 and bf16 only)")
+        raise NotImplementedError(f"kv cache dtype {kv_bufs.dtype} on TPU hardware (f32 and bf16 only; fp8 runs "
+                                  "interpreted and on GPU)")
     # bf16 packs rows (2h, 2h+1) = (K, V) of a head into one 32-bit word: K in the low
     # half, V in the high half; a bf16 is the top half of the f32 with the same value.
     packed = flat.bitcast(jnp.uint32)[kv_head :: two_k // 2, :]
@@ -236,6 +237,7 @@ def _rpa_kernel(
 
         for h in range(k_heads):
             k, v = _load_kv(kv_bufs, buf, h, hardware=hardware)
+            k, v = compute_dtype(k, jnp.float32), compute_dtype(v, jnp.float32)  # fp8 cache
             # Selects in f32: chips before v6 have no bf16 VPU.
             k = jnp.where(key_ok_col, k.astype(jnp.float32), 0.0).astype(k.dtype)
             v = jnp.where(key_ok_col, v.astype(jnp.float32), 0.0).astype(v.dtype)

@@ -23,6 +23,7 @@ from typing import Any
 
 from jaxserve.config import (
     DTYPES,
+    KV_CACHE_DTYPES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -98,6 +99,9 @@ class EngineArgs:
     gpu_memory_utilization: float = field(default=0.9, metadata=_arg(
         "Fraction of device memory for weights + KV cache."))
     num_gpu_blocks_override: int | None = field(default=None, metadata=_arg("Use exactly this many KV blocks."))
+    kv_cache_dtype: str = field(default="auto", metadata=_arg(
+        "KV cache dtype: auto (the model's) or fp8 / fp8_e4m3 (float8 e4m3 pages, half of bf16; widened in the "
+        "attention kernel; not on TPU hardware).", choices=KV_CACHE_DTYPES))
     kv_cache_memory: int | None = field(default=None, metadata=_arg(
         "KV cache size in bytes (overrides the measured budget; the CPU default is 1 GiB)."))
     # ------------------------------------------------------------------ scheduler
@@ -218,7 +222,8 @@ class EngineArgs:
             cache_config=CacheConfig(
                 block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization,
-                num_gpu_blocks_override=self.num_gpu_blocks_override, kv_cache_memory=self.kv_cache_memory),
+                num_gpu_blocks_override=self.num_gpu_blocks_override, kv_cache_memory=self.kv_cache_memory,
+                cache_dtype=self.kv_cache_dtype),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
                 max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,

@@ -117,6 +117,13 @@ class ModelRunner:
         sc, cc, mc, pc = config.scheduler_config, config.cache_config, config.model_config, config.parallel_config
         self.platform = jax.default_backend()
         self.dtype = resolve_dtype(mc.dtype, self.platform)
+        # The KV pages' dtype: the model's, or float8 e4m3 (written saturating, widened by
+        # the attention kernel as it loads them).
+        self.kv_dtype = jnp.float8_e4m3fn if cc.cache_dtype.startswith("fp8") else self.dtype
+        if self.kv_dtype != self.dtype and self.platform == "tpu" and \
+                resolve_backend(mc.attention_backend, self.platform)[0] == "pallas":
+            raise ValueError("kv_cache_dtype=fp8 is not supported by the TPU attention kernel on hardware yet "
+                             "(it runs on GPU, on CPU and in interpret mode); use kv_cache_dtype=auto")
         self.block_size = cc.block_size
         self.max_model_len = sc.max_model_len
         self.max_num_reqs = sc.max_num_seqs
@@ -167,13 +174,13 @@ class ModelRunner:
 
         # Blocks per rank: each rank's scheduler hands out ids in [0, num_blocks).
         self.num_blocks = determine_num_blocks(
-            self.arch, block_size=self.block_size, dtype=self.dtype, max_model_len=self.max_model_len,
+            self.arch, block_size=self.block_size, dtype=self.kv_dtype, max_model_len=self.max_model_len,
             gpu_memory_utilization=cc.gpu_memory_utilization, kv_cache_memory=cc.kv_cache_memory,
             num_gpu_blocks_override=cc.num_gpu_blocks_override, device=self._local_device(),
             tensor_parallel_size=pc.tensor_parallel_size, num_devices=self.mesh.size,
             draft=self.draft.arch if self.draft is not None else None,
         )
-        self.kv_cache = allocate_kv_cache(self.arch, self.num_blocks, self.block_size, self.dtype, self.mesh)
+        self.kv_cache = allocate_kv_cache(self.arch, self.num_blocks, self.block_size, self.kv_dtype, self.mesh)
         if self.draft is not None:
             self.draft.allocate_kv_cache(self.num_blocks)
 

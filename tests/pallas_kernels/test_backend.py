@@ -124,3 +124,68 @@ def test_built_attention_writes_then_attends():
     np.testing.assert_array_equal(cache_out[:, 1:], ref_cache[:, 1:])  # the pallas write skips the null page
     np.testing.assert_allclose(o[:, :6], ref_o[:, :6], rtol=2e-5, atol=2e-5)
     assert not np.array_equal(ref_cache[:, 3], np.asarray(cache)[:, 3])  # the new tokens were written
+
+
+@pytest.mark.parametrize("variant", ["fp8", "fp8_scaled", "windows"])
+def test_built_attention_fp8_cache_and_per_layer_windows(variant):
+    """An fp8 (e4m3) cache, written saturating and widened by the kernels, with per-tensor
+    k / v scales folded into the products; and per-layer windows (Gemma) under the layer
+    scan. The TPU kernel (interpreted) and the GPU kernel (interpreted) match the
+    reference; fp8 stays close to the f32 cache's output."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models.attention_metadata import AttentionMetadata
+
+    rng = np.random.default_rng(1)
+    L, P, S, K, H, N, T = 2, 8, 16, 2, 64, 4, 8
+    fp8 = variant.startswith("fp8")
+    dtype = jnp.float8_e4m3fn if fp8 else jnp.float32
+    cache = jnp.zeros((L, P, S, 2 * K, H), dtype)
+    # Request 0 prefills 30 tokens over pages 1, 2 (keys 0..29, a window of 8 bites);
+    # request 1 prefills 5 tokens in page 3.
+    slots = np.array([1 * S + i for i in range(16)] + [2 * S + i for i in range(14)] +
+                     [3 * S + i for i in range(5)] + [0], np.int32)
+    T = len(slots)
+    md = AttentionMetadata(slot_mapping=jnp.asarray(slots), seq_lens=jnp.asarray([30, 5, 0], jnp.int32),
+                           query_start_loc=jnp.asarray([0, 30, 35, 35], jnp.int32),
+                           block_tables=jnp.asarray([[1, 2], [3, 0], [0, 0]], jnp.int32),
+                           num_seqs=jnp.asarray([2], jnp.int32))
+    q = jnp.asarray(rng.standard_normal((T, N, H)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((L, T, K, H)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((L, T, K, H)) * (30 if variant == "fp8_scaled" else 1), jnp.float32)
+    kw = dict(sm_scale=H ** -0.5)
+    if variant == "fp8_scaled":
+        kw |= dict(k_scale=0.5, v_scale=3.0)  # v up to ~130: stored at most ~45 (e4m3's max is 448)
+    if variant == "windows":
+        kw |= dict(sliding_window=8, sliding_window_layers=(True, False), soft_cap=5.0)
+
+    def run(name, platform, cache=cache):
+        attention = backend.build_attention(name, platform, None, interpret=True, **kw)
+
+        @jax.jit
+        def step(cache):
+            def body(cache, xs):
+                k, v, layer = xs
+                o, cache = attention(q, k, v, cache, layer, md)
+                return cache, o
+
+            return jax.lax.scan(body, cache, (k, v, jnp.arange(L)))
+
+        return [np.asarray(a.astype(jnp.float32)) for a in step(cache)]
+
+    ref_cache, ref_o = run("reference", "cpu")
+    for name, platform in (("pallas", "cpu"), ("pallas", "gpu")):
+        cache_out, o = run(name, platform)
+        np.testing.assert_array_equal(cache_out[:, 1:], ref_cache[:, 1:])
+        np.testing.assert_allclose(o[:, :35], ref_o[:, :35], rtol=2e-5, atol=2e-5)
+    if fp8:
+        _, o32 = run("reference", "cpu", cache=jnp.zeros(cache.shape, jnp.float32))
+        err = np.abs(ref_o[:, :35] - o32[:, :35]).max() / np.abs(o32[:, :35]).max()
+        assert 0 < err < 0.1, err  # e4m3 keeps 3 mantissa bits
+    else:  # the window changes layer 0 only
+        no_window = dict(kw, sliding_window=None)
+        kw.clear()
+        kw.update(no_window)
+        _, o_full = run("reference", "cpu")
+        assert not np.allclose(o_full[0, :30], ref_o[0, :30]) and np.allclose(o_full[1], ref_o[1], atol=1e-6)
