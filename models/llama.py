@@ -47,8 +47,8 @@ class DecoderLayers(nnx.Module):
 
     def __init__(self, config: ModelArchConfig, weights: dict, weight_map: dict[str, Weight], dtype) -> None:
         for name, w in weight_map.items():
-            # Quantized weights (int8) and their scales (float32) keep their dtype.
-            own = weights[name].dtype in (jnp.int8,) or name.endswith("_scale")
+            # Quantized weights (int8 / fp8) and their scales (float32) keep their dtype.
+            own = jnp.dtype(weights[name].dtype).itemsize == 1 or name.endswith("_scale")
             setattr(self, name, make_param(name, weights[name], w, config, None if own else dtype))
 
 

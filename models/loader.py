@@ -2,7 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 from pathlib import Path
+
+import jax
+import jax.numpy as jnp
 
 from flax import nnx
 from jax.sharding import Mesh
@@ -10,10 +15,12 @@ from jax.sharding import Mesh
 from models.base import MODEL
 from models.checkpoint import is_orbax_checkpoint, restore_orbax
 from models.config import ModelArchConfig
-from models.quantization import check_quantization, quantizer
+from models.quantization import check_quantization, checkpoint_transform, quantizer, read_checkpoint_quantization
 from models.registry import get_model_class
 from models.sharding import arch_for_tensor_parallel, place_variables
-from models.weights import stream_safetensors
+from models.weights import SafetensorsCheckpoint, stream_safetensors
+
+logger = logging.getLogger("jaxserve")
 
 
 def load_model(model_path: str | Path, *, mesh: Mesh, dtype, progress: bool = True, scan_layers: bool = True,
@@ -30,8 +37,12 @@ def load_model(model_path: str | Path, *, mesh: Mesh, dtype, progress: bool = Tr
     arch = ModelArchConfig.from_pretrained(model_path)
     model_cls = get_model_class(arch.architecture)
     arch = arch_for_tensor_parallel(arch, mesh.shape[MODEL], model_cls, expert_parallel=expert_parallel)
+    stored = read_checkpoint_quantization(json.loads((Path(model_path) / "config.json").read_text()))
+    if stored is not None:
+        return _load_prequantized(model_path, arch, model_cls, stored, quantization, mesh=mesh, dtype=dtype,
+                                  progress=progress, scan_layers=scan_layers)
     arch = dataclasses.replace(arch, quantization=quantization)
-    transform = quantizer(model_cls.weight_map(arch), mesh) if quantization else None
+    transform = quantizer(model_cls.weight_map(arch), mesh, quantization) if quantization else None
     if is_orbax_checkpoint(model_path):
         params = restore_orbax(model_path, arch, model_cls, mesh, dtype)
         if transform is not None:
@@ -41,6 +52,31 @@ def load_model(model_path: str | Path, *, mesh: Mesh, dtype, progress: bool = Tr
         params = stream_safetensors(model_path, arch, model_cls, mesh, dtype, progress=progress, transform=transform)
     # The module is built around the placed arrays (make_param keeps them as they are):
     # its graph costs no memory, and only the computed variables (rope) are placed here.
+    model = model_cls(arch, params, dtype=dtype, scan_layers=scan_layers, mesh=mesh)
+    del params
+    graphdef, state = nnx.split(model)
+    return arch, graphdef, place_variables(state, mesh)
+
+
+def _load_prequantized(model_path, arch, model_cls, stored, quantization, *, mesh, dtype, progress, scan_layers):
+    """A compressed-tensors checkpoint: int8 weights stay int8 (weight-only, their scales
+    applied after each product); fp8 weights stay fp8 on GPU / TPU and are dequantized
+    into ``dtype`` on CPU (XLA:CPU has no fp8 arithmetic to gain from), with a warning.
+    Activation scales (W8A8's input_scale) are not used: activations stay in ``dtype``."""
+    if quantization not in (None, stored.method):
+        raise ValueError(f"quantization={quantization!r}: the checkpoint is already quantized "
+                         f"(compressed-tensors {stored.method}); leave quantization unset")
+    if is_orbax_checkpoint(model_path):
+        raise ValueError("an orbax folder of a pre-quantized checkpoint is not supported; serve the safetensors")
+    keep = stored.method == "int8" or jax.default_backend() != "cpu"
+    if not keep:
+        logger.warning("%s: fp8 weights are dequantized to %s at load on CPU", model_path, jnp.dtype(dtype).name)
+    arch = dataclasses.replace(arch, quantization=stored.method if keep else None)
+    wm = model_cls.weight_map(arch)
+    ckpt = SafetensorsCheckpoint(model_path)
+    transform, dtypes = checkpoint_transform(ckpt, wm, arch, mesh, dtype)
+    params = stream_safetensors(model_path, arch, model_cls, mesh, dtype, progress=progress, transform=transform,
+                                param_dtypes=dtypes, extra_ignored=(r".*\.weight_scale", r".*\.input_scale"))
     model = model_cls(arch, params, dtype=dtype, scan_layers=scan_layers, mesh=mesh)
     del params
     graphdef, state = nnx.split(model)

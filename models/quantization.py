@@ -1,7 +1,8 @@
-"""Weight-only int8 quantization (``--quantization int8``): the projection weights are
-stored as int8 with one float32 scale per output channel (symmetric, per-channel),
-quantized at load from the checkpoint's bf16 / f32 weights, on the device, param by
-param.
+"""Weight-only quantization: the projection weights stored as int8 (``--quantization
+int8``) or float8 e4m3 (``fp8``) with one float32 scale per output channel (symmetric,
+per-channel), quantized at load from the checkpoint's bf16 / f32 weights, on the device,
+param by param; or read as stored from a pre-quantized HF ``compressed-tensors``
+checkpoint (int8 / fp8 weights, channel or tensor scales).
 
 A quantized param ``name`` [..., in, out] becomes int8 ``name`` plus float32
 ``name + "_scale"`` [..., out] (the ``in`` axis dropped, the rest sharded as the
@@ -25,7 +26,8 @@ from jax.sharding import PartitionSpec as P
 from models.base import Weight
 from models.config import ModelArchConfig
 
-QUANTIZATION_METHODS = ("int8",)
+QUANTIZATION_METHODS = ("int8", "fp8")
+WEIGHT_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 SCALE = "_scale"
 # Per-layer projections that are never quantized (see the module docstring).
 _KEEP = ("router", "shared_expert_gate")
@@ -71,7 +73,20 @@ def quantize_int8(w):
     return q, scale
 
 
-def quantizer(weight_map: dict[str, Weight], mesh: Mesh):
+def quantize_fp8(w):
+    """w [..., in, out] -> (float8 e4m3 [..., in, out], float32 scale [..., out]): per
+    output channel, the column's largest magnitude mapped to e4m3's largest (448)."""
+    wf = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(wf), axis=-2)
+    top = float(jnp.finfo(jnp.float8_e4m3fn).max)
+    scale = jnp.where(amax > 0, amax / top, 1.0)
+    return jnp.clip(wf / scale[..., None, :], -top, top).astype(jnp.float8_e4m3fn), scale
+
+
+_QUANTIZE = {"int8": quantize_int8, "fp8": quantize_fp8}
+
+
+def quantizer(weight_map: dict[str, Weight], mesh: Mesh, method: str = "int8"):
     """``transform(name, array) -> {name: array}`` for the loader: a quantized param
     comes back as its int8 array and scale, each in its declared sharding (computed on
     the devices, no host copy); any other param as it is."""
@@ -84,7 +99,7 @@ def quantizer(weight_map: dict[str, Weight], mesh: Mesh):
         w = weight_map[name]
         if name not in jitted:
             out = (NamedSharding(mesh, P(*w.partition)), NamedSharding(mesh, P(*scale_weight(w).partition)))
-            jitted[name] = jax.jit(quantize_int8, out_shardings=out)
+            jitted[name] = jax.jit(_QUANTIZE[method], out_shardings=out)
         q, scale = jitted[name](value)
         return {name: q, name + SCALE: scale}
 
@@ -92,9 +107,108 @@ def quantizer(weight_map: dict[str, Weight], mesh: Mesh):
 
 
 def linear(x, lw: dict, name: str):
-    """x @ lw[name], dequantizing an int8 weight by its per-column scale after the product."""
+    """x @ lw[name], dequantizing an int8 / fp8 weight by its per-column scale after the product."""
     w = lw[name]
     scale = lw.get(name + SCALE)
     if scale is None:
         return x @ w
     return ((x @ w.astype(x.dtype)) * scale).astype(x.dtype)
+
+
+# ---------------------------------------------------------------- pre-quantized checkpoints
+@dataclasses.dataclass(frozen=True)
+class CheckpointQuantization:
+    """What a compressed-tensors ``quantization_config`` says about the weights."""
+
+    method: str  # "int8" or "fp8": the stored weight dtype
+    strategy: str  # "channel" (a scale per output row) or "tensor" (one scale)
+
+
+def read_checkpoint_quantization(cfg: dict) -> CheckpointQuantization | None:
+    """config.json's ``quantization_config`` (compressed-tensors), or None when the weights
+    are plain. ValueError for the schemes not served: groups / blocks, asymmetric
+    weights (zero points), packed int4, other quantizers (GPTQ, AWQ, bitsandbytes)."""
+    qc = cfg.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method != "compressed-tensors":
+        raise ValueError(f"quantization_config.quant_method={method!r} is not supported (compressed-tensors "
+                         "int8 / fp8 checkpoints only)")
+    fmt = qc.get("format")
+    if fmt not in ("int-quantized", "float-quantized", "naive-quantized"):
+        raise ValueError(f"quantization_config.format={fmt!r} is not supported (int-quantized, float-quantized, "
+                         "naive-quantized)")
+    groups = list((qc.get("config_groups") or {}).values())
+    schemes = {(g["weights"].get("type"), g["weights"].get("num_bits"), g["weights"].get("strategy"),
+                bool(g["weights"].get("symmetric", True))) for g in groups if g.get("weights")}
+    if len(schemes) != 1:
+        raise ValueError(f"quantization_config: exactly one weight scheme is supported, got {sorted(schemes)}")
+    kind, bits, strategy, symmetric = schemes.pop()
+    if bits != 8 or kind not in ("int", "float") or strategy not in ("channel", "tensor") or not symmetric:
+        raise ValueError(f"quantization_config: weights type={kind} num_bits={bits} strategy={strategy} "
+                         f"symmetric={symmetric} are not supported (8-bit int / float, channel or tensor, symmetric)")
+    targets = {t for g in groups for t in g.get("targets", [])}
+    if targets - {"Linear"}:
+        raise ValueError(f"quantization_config: targets {sorted(targets)} are not supported (Linear)")
+    return CheckpointQuantization("int8" if kind == "int" else "fp8", strategy)
+
+
+def stored_quantized(weight_map: dict[str, Weight], ckpt) -> set[str]:
+    """The params whose checkpoint tensors are stored quantized (they come with a
+    ``weight_scale``; compressed-tensors leaves its ``ignore`` list, e.g. lm_head, as is)."""
+    return {n for n, w in weight_map.items()
+            if w.hf_name.endswith(".weight") and _scale_name(w.hf_name.format(i=0, e=0)) in ckpt.tensors}
+
+
+def _scale_name(tensor: str) -> str:
+    return tensor[: -len(".weight")] + ".weight_scale"
+
+
+def checkpoint_scales(ckpt, name: str, w: Weight, arch: ModelArchConfig, mesh: Mesh) -> jax.Array:
+    """The float32 scale [..., out] of a stored-quantized param, read from its tensors'
+    ``weight_scale`` ([out, 1] per channel, or one value per tensor), laid out as served
+    (KV heads replicated / split like the weight's output axis)."""
+    import numpy as np
+
+    from models.base import dim_size
+    from models.sharding import checkpoint_arch, source_indices
+
+    sw = scale_weight(w)
+    stored = checkpoint_arch(arch)
+    out_dim = w.dims[-1]
+    src = source_indices(out_dim, arch, 0, dim_size(arch, out_dim))
+    rows = []
+    for _, tensor in w.tensor_names(stored):
+        s = ckpt.read(_scale_name(tensor), tuple(slice(None) for _ in ckpt.tensors[_scale_name(tensor)].shape))
+        s = np.asarray(s, np.float32).reshape(-1)
+        s = np.broadcast_to(s, (dim_size(stored, out_dim),)) if s.size == 1 else s
+        rows.append(s[src])
+    host = np.stack(rows).reshape(sw.shape(arch))
+    sharding = NamedSharding(mesh, P(*sw.partition))
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def checkpoint_transform(ckpt, weight_map: dict[str, Weight], arch: ModelArchConfig, mesh: Mesh, dtype):
+    """The loader's per-param transform for a compressed-tensors checkpoint. A param stored
+    quantized stays so (with its scale) when ``arch.quantization`` is set and the param is
+    one that is served quantized; any other stored-quantized param (e.g. a quantized MoE
+    router, or fp8 on CPU) is dequantized into ``dtype``. Projections the checkpoint left
+    unquantized are quantized at load like ``--quantization``."""
+    stored = stored_quantized(weight_map, ckpt)
+    served = set(quantized_names(weight_map)) if arch.quantization else set()
+    quantize = quantizer(weight_map, mesh, arch.quantization) if arch.quantization else None
+
+    def transform(name: str, value: jax.Array) -> dict[str, jax.Array]:
+        if name in stored:
+            scale = checkpoint_scales(ckpt, name, weight_map[name], arch, mesh)
+            if name in served:
+                return {name: value, name + SCALE: scale}
+            deq = jax.jit(lambda q, s: (q.astype(jnp.float32) * s[..., None, :]).astype(dtype),
+                          out_shardings=value.sharding)
+            return {name: deq(value, scale)}
+        if name in served:
+            return quantize(name, value)
+        return {name: value}
+
+    return transform, {n: WEIGHT_DTYPES[arch.quantization] for n in stored & served}

@@ -179,13 +179,14 @@ class _ShardReader:
         return out
 
 
-def check_checkpoint_names(ckpt: SafetensorsCheckpoint, arch: ModelArchConfig, model_cls) -> None:
+def check_checkpoint_names(ckpt: SafetensorsCheckpoint, arch: ModelArchConfig, model_cls,
+                           extra_ignored: tuple[str, ...] = ()) -> None:
     """Every tensor the model needs is there with the expected shape, and no other
     tensor is left over (the model lists the harmless ones: saved rotary buffers, a
     tied lm_head copy): a leftover means the checkpoint does math this decoder would
     skip. Reads the headers only."""
     stored = checkpoint_arch(arch)
-    ignored = re.compile("|".join(f"(?:{r})" for r in model_cls.ignored_hf_tensors(stored)) or "(?!)")
+    ignored = re.compile("|".join(f"(?:{r})" for r in model_cls.ignored_hf_tensors(stored) + extra_ignored) or "(?!)")
     used = set()
     for w in model_cls.weight_map(stored).values():
         shape = w.shape(stored)
@@ -206,22 +207,28 @@ def check_checkpoint_names(ckpt: SafetensorsCheckpoint, arch: ModelArchConfig, m
 
 
 def stream_safetensors(model_dir: str | Path, arch: ModelArchConfig, model_cls, mesh: Mesh, dtype, *,
-                       progress: bool = True, transform=None) -> dict[str, jax.Array]:
+                       progress: bool = True, transform=None, param_dtypes: dict | None = None,
+                       extra_ignored: tuple[str, ...] = ()) -> dict[str, jax.Array]:
     """{our name: jax.Array} for every entry of ``model_cls.weight_map(arch)``, ``arch``
     being the effective (tensor-parallel) architecture: each in ``dtype``, shaped as
     served and placed with the partitioning its Weight declares. ``transform(name,
     array) -> {name: array}`` (quantization) runs on each param as soon as it is
-    placed, so only one param is ever held in ``dtype`` beside the transformed ones."""
+    placed, so only one param is ever held in ``dtype`` beside the transformed ones.
+    ``param_dtypes``: params read in another dtype (pre-quantized int8 / fp8 weights);
+    ``extra_ignored``: regexes of more tensors that may stay unread (their scales, read
+    by the transform)."""
     ckpt = SafetensorsCheckpoint(model_dir)
-    check_checkpoint_names(ckpt, arch, model_cls)
+    check_checkpoint_names(ckpt, arch, model_cls, extra_ignored)
+    param_dtypes = param_dtypes or {}
     weight_map = model_cls.weight_map(arch)
     total = sum(arch.num_hidden_layers if w.per_layer else 1 for w in weight_map.values())
     params = {}
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for name, w in weight_map.items():
             sharding = NamedSharding(mesh, P(*w.partition))
-            value = jax.make_array_from_callback(w.shape(arch), sharding, _ShardReader(ckpt, w, arch, dtype),
-                                                 dtype=dtype)
+            read_as = param_dtypes.get(name, dtype)
+            value = jax.make_array_from_callback(w.shape(arch), sharding, _ShardReader(ckpt, w, arch, read_as),
+                                                 dtype=read_as)
             # Back-pressure: host-to-device copies may be asynchronous (accelerators);
             # waiting here keeps at most one param's host buffers alive at a time.
             value.block_until_ready()

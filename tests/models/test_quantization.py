@@ -111,3 +111,90 @@ def test_int8_weight_stays_int8_in_the_program():
     assert "s8[96,160]" in entry.splitlines()[0]  # the parameter
     mul = [line for line in entry.splitlines() if "multiply" in line or "ROOT" in line]
     assert any("f32[8,160]" in line for line in mul)
+
+
+def _compressed_tensors_copy(src, dst, kind, strategy="channel"):
+    """The tiny checkpoint re-saved as a compressed-tensors one (its format, by hand):
+    every layer projection stored int8 / fp8 with a float32 ``weight_scale`` ([out, 1] per
+    channel, [1] per tensor), lm_head left as is (compressed-tensors' usual ignore)."""
+    import json
+    import shutil
+
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    top = 127.0 if kind == "int" else float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+    for name in [n for n in tensors if "_proj.weight" in n]:
+        w = tensors[name].astype(np.float32)  # [out, in]
+        amax = np.abs(w).max(axis=1, keepdims=True) if strategy == "channel" else np.abs(w).max().reshape(1)
+        scale = (amax / top).astype(np.float32)
+        q = w / (scale if strategy == "channel" else scale[0])
+        tensors[name] = np.clip(np.round(q), -127, 127).astype(np.int8) if kind == "int" else \
+            q.astype(ml_dtypes.float8_e4m3fn)
+        tensors[name[:-len(".weight")] + ".weight_scale"] = scale
+    save_file(tensors, str(dst / "model.safetensors"))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized" if kind == "int" else "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+            "num_bits": 8, "type": kind, "strategy": strategy, "symmetric": True}}},
+        "ignore": ["lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_compressed_tensors_checkpoints(tmp_path, caplog):
+    """A compressed-tensors int8 checkpoint serves exactly as --quantization int8 of the
+    original (same per-channel rounding); tensor-wise scales work; fp8 weights are
+    dequantized at load on CPU (with a warning) and agree with the original's tokens."""
+    from hf_factory import make_tiny_hf_model
+    from jaxserve import SamplingParams
+
+    path = make_tiny_hf_model(tmp_path / "llama", "llama", kv_heads=2)
+    p = np.random.default_rng(3).integers(3, 500, 30).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+
+    def run(model, **kw):
+        llm = _llm(model, **kw)
+        out = llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0]
+        lps = np.array([out.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
+        return llm.llm_engine.model_runner.state["layers"], out.outputs[0].token_ids, lps
+
+    _, want_toks, want = run(path, quantization="int8")
+    layers, toks, got = run(_compressed_tensors_copy(path, tmp_path / "ct-int8", "int"))
+    assert layers["down_proj"][...].dtype == jnp.int8 and layers["down_proj_scale"][...].shape == (2, 64)
+    assert toks == want_toks
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    _, _, per_tensor = run(_compressed_tensors_copy(path, tmp_path / "ct-int8-t", "int", "tensor"))
+    assert 0 < np.abs(per_tensor - want).max() < 0.2  # coarser than per channel
+    with caplog.at_level("WARNING", logger="jaxserve"):
+        layers, toks, got = run(_compressed_tensors_copy(path, tmp_path / "ct-fp8", "float"))
+    assert "dequantized" in caplog.text and layers["q_proj"][...].dtype == jnp.float32
+    _, f32_toks, f32 = run(path)
+    assert 0 < np.abs(got - f32).max() < 0.25  # e4m3 weights: 3 mantissa bits
+    _, fp8_toks, fp8 = run(path, quantization="fp8")  # quantized at load: stays fp8, scale after the product
+    np.testing.assert_allclose(fp8, got, atol=1e-4)
+    with pytest.raises(ValueError, match="already quantized"):
+        _llm(tmp_path / "ct-int8", quantization="fp8")
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(quant_method="gptq"), "quant_method='gptq' is not supported"),
+    (dict(format="pack-quantized"), "format='pack-quantized' is not supported"),
+    (dict(strategy="group"), "strategy=group"),
+    (dict(symmetric=False), "symmetric=False"),
+    (dict(num_bits=4), "num_bits=4"),
+])
+def test_unsupported_checkpoint_quantization_is_one_clear_error(change, match):
+    from models.quantization import read_checkpoint_quantization
+
+    weights = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}
+    weights.update({k: v for k, v in change.items() if k in weights})
+    qc = {"quant_method": change.get("quant_method", "compressed-tensors"),
+          "format": change.get("format", "int-quantized"),
+          "config_groups": {"g": {"targets": ["Linear"], "weights": weights}}}
+    with pytest.raises(ValueError, match=match):
+        read_checkpoint_quantization({"quantization_config": qc})
+    assert read_checkpoint_quantization({}) is None
