@@ -75,20 +75,25 @@ def test_int8_engine_close_to_unquantized(tmp_path, arch):
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 host devices (XLA_FLAGS in tests/conftest.py)")
-def test_int8_tensor_parallel_matches_one_device(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_int8_tensor_parallel_matches_one_device(tmp_path, arch):
+    """Scales are split like their weights' output axis; MoE: with expert parallelism
+    too (whole experts and their scales per device)."""
     from hf_factory import make_tiny_hf_model
     from jaxserve import SamplingParams
 
-    path = make_tiny_hf_model(tmp_path / "llama", "llama", kv_heads=2)
+    path = make_tiny_hf_model(tmp_path / arch, arch, kv_heads=2)
     ps = [{"prompt_token_ids": np.random.default_rng(i).integers(3, 500, 9 + 7 * i).tolist()} for i in range(3)]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     res = []
     for tp in (1, 2):
-        llm = _llm(path, quantization="int8", tensor_parallel_size=tp)
+        llm = _llm(path, quantization="int8", tensor_parallel_size=tp, enable_expert_parallel=arch != "llama" and tp > 1)
         layers = llm.llm_engine.model_runner.state["layers"]
         if tp == 2:  # the scale is split like its weight's output columns (o_proj: rows, so replicated)
             assert tuple(layers["q_proj_scale"][...].sharding.spec) == (None, "model")
             assert tuple(layers["o_proj_scale"][...].sharding.spec) == (None, None)
+            if arch == "qwen3_moe":
+                assert tuple(layers["experts_down_scale"][...].sharding.spec) == (None, "model", None)
         res.append([o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)])
     assert res[0] == res[1]
 
