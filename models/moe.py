@@ -31,6 +31,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from models.base import MODEL, Weight
+from models.llama import LAYER
+
 EP_STRATEGIES = ("allgather", "alltoall")
 
 
@@ -229,9 +232,6 @@ class SparseMoeMLP:
 
     @classmethod
     def weight_map(cls, c):
-        from models.base import MODEL, Weight
-        from models.llama import LAYER
-
         m = {n: w for n, w in super().weight_map(c).items() if n not in _DENSE_MLP}
         if c.expert_parallel:  # whole experts per device
             cols = rows = (None, MODEL, None, None)

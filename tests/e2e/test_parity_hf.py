@@ -222,3 +222,18 @@ def test_sliding_window_frees_blocks_and_matches_hf(tiny_models):
     assert max(held) <= (24 + 16) // 16 + 2, held
     ref, margins = hf.greedy(p, 200)
     assert_greedy_match(out.outputs[0].token_ids, ref, margins, "mistral window 24")
+
+
+@pytest.mark.slow
+def test_no_compilation_after_warmup_moe_int8_fp8_kv(tiny_models):
+    """The new paths keep the warm-up's promise: a MoE model (the CPU tile loop's trip
+    count is dynamic) with int8 weights and an fp8 KV cache compiles nothing while it serves."""
+    from compile_counter import count_compiles
+
+    path = tiny_models("qwen3_moe", kv_heads=2, seed=1)
+    llm = LLM(str(path), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128, kv_cache_memory=8 << 20,
+              compilation_cache=False, progress=False, quantization="int8", kv_cache_dtype="fp8")
+    with count_compiles(llm.llm_engine.model_runner) as compiled:
+        for lengths in ([5], [1, 60, 7], [30] * 8, [100, 3]):
+            run(llm, prompts(len(lengths), lengths), max_tokens=6)
+    assert compiled == [0, 0], f"(backend compiles, new variants) after warm-up: {compiled}"

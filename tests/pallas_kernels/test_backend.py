@@ -3,6 +3,7 @@ import functools
 import inspect
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import backend, gpu, reference, tpu
@@ -83,6 +84,21 @@ def test_kv_write_dispatch():
     assert _target(backend.get_kv_write_fn("pallas", "cpu")) == (kv_cache_update.write_kv_cache, {"interpret": True})
 
 
+def scan_layers(attention, q, k, v, md, cache):
+    """A jitted scan of ``attention`` over the layers of k, v [L, T, K, H], as a model step
+    runs it: (the cache after every layer's write, o [L, T, N, H])."""
+    @jax.jit
+    def step(cache):
+        def body(cache, xs):
+            k, v, layer = xs
+            o, cache = attention(q, k, v, cache, layer, md)
+            return cache, o
+
+        return jax.lax.scan(body, cache, (k, v, jnp.arange(k.shape[0])))
+
+    return step(cache)
+
+
 def test_built_attention_writes_then_attends():
     """build_attention's per-layer function (KV write + kernel) gives the same output and
     cache with the pallas path (interpreted) as with the reference, inside a jitted scan."""
@@ -106,17 +122,7 @@ def test_built_attention_writes_then_attends():
 
     def run(name):
         attention = backend.build_attention(name, "cpu", None, sm_scale=H ** -0.5)
-
-        @jax.jit
-        def step(cache):
-            def body(cache, xs):
-                k, v, layer = xs
-                o, cache = attention(q, k, v, cache, layer, md)
-                return cache, o
-
-            return jax.lax.scan(body, cache, (k, v, jnp.arange(L)))
-
-        cache_out, o = step(cache)
+        cache_out, o = scan_layers(attention, q, k, v, md, cache)
         return np.asarray(cache_out), np.asarray(o)
 
     ref_cache, ref_o = run("reference")
@@ -162,17 +168,7 @@ def test_built_attention_fp8_cache_and_per_layer_windows(variant):
 
     def run(name, platform, cache=cache):
         attention = backend.build_attention(name, platform, None, interpret=True, **kw)
-
-        @jax.jit
-        def step(cache):
-            def body(cache, xs):
-                k, v, layer = xs
-                o, cache = attention(q, k, v, cache, layer, md)
-                return cache, o
-
-            return jax.lax.scan(body, cache, (k, v, jnp.arange(L)))
-
-        return [np.asarray(a.astype(jnp.float32)) for a in step(cache)]
+        return [np.asarray(a.astype(jnp.float32)) for a in scan_layers(attention, q, k, v, md, cache)]
 
     ref_cache, ref_o = run("reference", "cpu")
     for name, platform in (("pallas", "cpu"), ("pallas", "gpu")):
