@@ -20,11 +20,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.base import Weight
+from models.base import Weight, dim_size
 from models.config import ModelArchConfig
+from models.sharding import checkpoint_arch, source_indices
 
 QUANTIZATION_METHODS = ("int8", "fp8")
 WEIGHT_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
@@ -169,11 +171,6 @@ def checkpoint_scales(ckpt, name: str, w: Weight, arch: ModelArchConfig, mesh: M
     """The float32 scale [..., out] of a stored-quantized param, read from its tensors'
     ``weight_scale`` ([out, 1] per channel, or one value per tensor), laid out as served
     (KV heads replicated / split like the weight's output axis)."""
-    import numpy as np
-
-    from models.base import dim_size
-    from models.sharding import checkpoint_arch, source_indices
-
     sw = scale_weight(w)
     stored = checkpoint_arch(arch)
     out_dim = w.dims[-1]
