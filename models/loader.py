@@ -39,8 +39,21 @@ def load_model(model_path: str | Path, *, mesh: Mesh, dtype, progress: bool = Tr
     arch = arch_for_tensor_parallel(arch, mesh.shape[MODEL], model_cls, expert_parallel=expert_parallel)
     stored = read_checkpoint_quantization(json.loads((Path(model_path) / "config.json").read_text()))
     if stored is not None:
-        return _load_prequantized(model_path, arch, model_cls, stored, quantization, mesh=mesh, dtype=dtype,
-                                  progress=progress, scan_layers=scan_layers)
+        arch, params = _read_prequantized(model_path, arch, model_cls, stored, quantization, mesh=mesh, dtype=dtype,
+                                          progress=progress)
+    else:
+        arch, params = _read_params(model_path, arch, model_cls, quantization, mesh=mesh, dtype=dtype,
+                                    progress=progress)
+    # The module is built around the placed arrays (make_param keeps them as they are):
+    # its graph costs no memory, and only the computed variables (rope) are placed here.
+    model = model_cls(arch, params, dtype=dtype, scan_layers=scan_layers, mesh=mesh)
+    del params
+    graphdef, state = nnx.split(model)
+    return arch, graphdef, place_variables(state, mesh)
+
+
+def _read_params(model_path, arch, model_cls, quantization, *, mesh, dtype, progress):
+    """(arch, params) of a plain checkpoint (safetensors or orbax), quantized at load when asked."""
     arch = dataclasses.replace(arch, quantization=quantization)
     transform = quantizer(model_cls.weight_map(arch), mesh, quantization) if quantization else None
     if is_orbax_checkpoint(model_path):
@@ -50,16 +63,11 @@ def load_model(model_path: str | Path, *, mesh: Mesh, dtype, progress: bool = Tr
                 params.update(transform(name, params.pop(name)))
     else:
         params = stream_safetensors(model_path, arch, model_cls, mesh, dtype, progress=progress, transform=transform)
-    # The module is built around the placed arrays (make_param keeps them as they are):
-    # its graph costs no memory, and only the computed variables (rope) are placed here.
-    model = model_cls(arch, params, dtype=dtype, scan_layers=scan_layers, mesh=mesh)
-    del params
-    graphdef, state = nnx.split(model)
-    return arch, graphdef, place_variables(state, mesh)
+    return arch, params
 
 
-def _load_prequantized(model_path, arch, model_cls, stored, quantization, *, mesh, dtype, progress, scan_layers):
-    """A compressed-tensors checkpoint: int8 weights stay int8 (weight-only, their scales
+def _read_prequantized(model_path, arch, model_cls, stored, quantization, *, mesh, dtype, progress):
+    """(arch, params) of a compressed-tensors checkpoint: int8 weights stay int8 (weight-only, their scales
     applied after each product); fp8 weights stay fp8 on GPU / TPU and are dequantized
     into ``dtype`` on CPU (XLA:CPU has no fp8 arithmetic to gain from), with a warning.
     Activation scales (W8A8's input_scale) are not used: activations stay in ``dtype``."""
@@ -77,7 +85,4 @@ def _load_prequantized(model_path, arch, model_cls, stored, quantization, *, mes
     transform, dtypes = checkpoint_transform(ckpt, wm, arch, mesh, dtype)
     params = stream_safetensors(model_path, arch, model_cls, mesh, dtype, progress=progress, transform=transform,
                                 param_dtypes=dtypes, extra_ignored=(r".*\.weight_scale", r".*\.input_scale"))
-    model = model_cls(arch, params, dtype=dtype, scan_layers=scan_layers, mesh=mesh)
-    del params
-    graphdef, state = nnx.split(model)
-    return arch, graphdef, place_variables(state, mesh)
+    return arch, params

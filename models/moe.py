@@ -132,11 +132,17 @@ def tiled_expert_mlp(xs, group_sizes, weights, scales=None, tile: int | None = N
 
 def _moe_local(x, router, weights, scales, *, top_k, normalize, first_expert):
     """One device's part: x [T, D] -> [T, D] partial sum of its experts (or mlp columns)."""
-    t, d = x.shape
+    t = x.shape[0]
     gates, experts = route(x @ router, top_k, normalize)
     mine = t * top_k * weights[0].shape[0] // router.shape[1]  # copies routed here, on average
     out = expert_mlp(jnp.repeat(x, top_k, axis=0), experts.reshape(-1), weights, scales, first_expert, mine)
-    return jnp.sum(out.reshape(t, top_k, d).astype(jnp.float32) * gates[..., None], axis=1).astype(x.dtype)
+    return _combine(out, gates).astype(x.dtype)
+
+
+def _combine(copies, gates):
+    """copies [T k, D] (token-major) weighted by gates [T, k] and summed per token -> [T, D] float32."""
+    t, k = gates.shape
+    return jnp.sum(copies.reshape(t, k, -1).astype(jnp.float32) * gates[..., None], axis=1)
 
 
 def _moe_alltoall(x, router, weights, scales, *, top_k, normalize, axis, ep):
@@ -160,8 +166,7 @@ def _moe_alltoall(x, router, weights, scales, *, top_k, normalize, axis, ep):
     out = expert_mlp(recv.reshape(ep * c, d), recv_expert.reshape(-1), weights, scales, me * num_local, c)
     back = jax.lax.all_to_all(out.reshape(ep, c, d), axis, 0, 0, tiled=False)  # [ep, C, D]: per owner
     done = jnp.sum(jnp.where(onehot[..., None], back, 0), axis=0)  # [C, D]
-    combined = jnp.sum(done.reshape(-1, top_k, d).astype(jnp.float32) * gates[..., None], axis=1)
-    return jax.lax.all_gather(combined.astype(x.dtype), axis, axis=0, tiled=True)
+    return jax.lax.all_gather(_combine(done, gates).astype(x.dtype), axis, axis=0, tiled=True)
 
 
 def moe_block(x, router, weights, scales=None, *, top_k: int, normalize: bool, mesh: Mesh | None,
@@ -187,13 +192,11 @@ def moe_block(x, router, weights, scales=None, *, top_k: int, normalize: bool, m
         if (x.shape[0] // mesh.shape["data"]) % tp:  # each device takes an equal share
             raise ValueError(f"the all-to-all exchange needs each rank's tokens to be a multiple of {tp}")
         local = functools.partial(_moe_alltoall, axis="model", ep=tp, **kw)
-        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tokens,
-                             check_vma=False)(x, router, weights, scales)
-
-    def local(x, router, weights, scales):
-        first = jax.lax.axis_index("model") * weights[0].shape[0] if expert_parallel else 0
-        part = _moe_local(x, router, weights, scales, first_expert=first, **kw)
-        return jax.lax.psum(part, "model")
+    else:
+        def local(x, router, weights, scales):
+            first = jax.lax.axis_index("model") * weights[0].shape[0] if expert_parallel else 0
+            part = _moe_local(x, router, weights, scales, first_expert=first, **kw)
+            return jax.lax.psum(part, "model")
 
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tokens,
                          check_vma=False)(x, router, weights, scales)
