@@ -13,8 +13,10 @@ class AttentionMetadata:
     axis 0 (split over the mesh's 'data' axis): each rank's page ids and offsets are
     local to its own slice of the KV cache. Shapes below are one rank's."""
 
-    slot_mapping: jax.Array  # [T] int32: page * S + offset of each token's KV slot
+    # G: the KV cache groups (jaxserve/core/kv_cache_groups.py; 1 unless the model mixes
+    # sliding-window and global layers), each with its own pages.
+    slot_mapping: jax.Array  # [T, G] int32: page * S + offset of each token's KV slot
     seq_lens: jax.Array  # [Rmax] int32: kv_lens (computed + scheduled tokens)
     query_start_loc: jax.Array  # [Rmax+1] int32: cu_q_lens
-    block_tables: jax.Array  # [Rmax, Pmax] int32: page indices per request
+    block_tables: jax.Array  # [Rmax, G, Pmax] int32: page indices per request
     num_seqs: jax.Array  # [1] int32: valid rows of the per-request arrays

@@ -5,7 +5,9 @@ models/mistral.py (sliding window), models/qwen2.py (q/k/v bias), models/qwen3.p
 Layer weights are stacked on a leading layer axis and the layers run under
 ``lax.scan`` (``scan_layers=False`` unrolls them), so compile time does not grow
 with depth. Projections are stored [in, out] so a matmul is ``x @ w``.
-The KV cache is [L, P, S, 2K, H] (DESIGN §4) and is threaded through the scan.
+The KV cache is [L, P, S, 2K, H] (DESIGN §4) and is threaded through the scan; with
+KV cache groups (Gemma's local and global layers, jaxserve/core/kv_cache_groups.py) its
+first axis is a group's slots, and the attention maps each layer to its slot.
 
 Tensor parallelism (DESIGN §5): q/k/v/gate/up are split by output columns, o/down
 by input rows, the embedding and lm_head by vocabulary (padded to a multiple of tp;

@@ -6,8 +6,8 @@ then ragged paged attention, under ``shard_map`` when the mesh splits heads::
     attention(q [T, N, H], k [T, K, H], v [T, K, H], kv_cache [L, P, S, 2K, H], layer, md)
         -> (o [T, N, H], kv_cache)
 
-(``md``: the step's AttentionMetadata: slot_mapping, seq_lens, query_start_loc,
-block_tables, num_seqs.) ``get_attention_fn`` is the kernel alone; every kernel has the
+(``md``: the step's AttentionMetadata: slot_mapping [T, G], seq_lens, query_start_loc,
+block_tables [R, G, Pmax], num_seqs; G: the KV cache groups.) ``get_attention_fn`` is the kernel alone; every kernel has the
 reference's signature::
 
     fn(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
@@ -17,6 +17,7 @@ reference's signature::
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -94,6 +95,7 @@ def get_kv_write_fn(backend: str = "auto", platform: str | None = None, interpre
 def build_attention(backend: str, platform: str | None, mesh: Mesh | None, *, sm_scale: float,
                     sliding_window: int | None = None, sliding_window_layers: tuple[bool, ...] | None = None,
                     soft_cap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                    layer_group: tuple[int, ...] | None = None, layer_slot: tuple[int, ...] | None = None,
                     interpret=False) -> Callable:
     """The per-layer attention of a model step (see the module docstring).
 
@@ -112,7 +114,12 @@ def build_attention(backend: str, platform: str | None, mesh: Mesh | None, *, sm
     ``k_scale`` / ``v_scale``: per-tensor scales of a float8 cache (stored = value /
     scale, saturating). Dequantizing is folded into the kernels' existing products: the
     scores' scale becomes sm_scale * k_scale and the output is multiplied by v_scale,
-    so the kernels only widen the 8-bit rows they load."""
+    so the kernels only widen the 8-bit rows they load.
+
+    ``layer_group`` / ``layer_slot`` (KV cache groups, jaxserve/core/kv_cache_groups.py):
+    model layer l reads and writes slot ``layer_slot[l]`` of the cache [slots, P, S, 2K, H]
+    through group ``layer_group[l]``'s block table and slots (``md.block_tables`` [R, G, Pmax],
+    ``md.slot_mapping`` [T, G]). None: one group, layer l in slot l."""
     attend = get_attention_fn(backend, platform, interpret=interpret)
     write = get_kv_write_fn(backend, platform, interpret=interpret)
     if sliding_window is None or sliding_window_layers is None or all(sliding_window_layers):
@@ -127,18 +134,25 @@ def build_attention(backend: str, platform: str | None, mesh: Mesh | None, *, sm
                    sm_scale=sm_scale * k_scale, sliding_window=window, soft_cap=soft_cap, layer=layer)
         return o if v_scale == 1.0 else (o * v_scale).astype(o.dtype)
 
+    def lookup(table, layer):
+        """table[layer] for a Python int layer (unrolled) or a traced one (the layer scan)."""
+        return table[layer] if isinstance(layer, int) else jnp.asarray(table, jnp.int32)[layer]
+
     def local(q, k, v, kv_cache, layer, md):
         if k_scale != 1.0 or v_scale != 1.0:
             k, v = k / k_scale, v / v_scale
-        kv_cache = write(kv_cache, k, v, md.slot_mapping, layer=layer)
+        group = 0 if layer_group is None else lookup(layer_group, layer)
+        slot = layer if layer_slot is None else lookup(layer_slot, layer)
+        md = dataclasses.replace(md, slot_mapping=md.slot_mapping[:, group], block_tables=md.block_tables[:, group])
+        kv_cache = write(kv_cache, k, v, md.slot_mapping, layer=slot)
         if windows is None:
-            o = run(sliding_window, q, kv_cache, layer, md)
+            o = run(sliding_window, q, kv_cache, slot, md)
         elif isinstance(layer, int):
-            o = run(sliding_window if windows[layer] else None, q, kv_cache, layer, md)
+            o = run(sliding_window if windows[layer] else None, q, kv_cache, slot, md)
         else:
             kind = jnp.asarray(windows, jnp.int32)[layer]
             o = jax.lax.switch(kind, [functools.partial(run, None), functools.partial(run, sliding_window)],
-                               q, kv_cache, layer, md)
+                               q, kv_cache, slot, md)
         return o, kv_cache
 
     if mesh is None or mesh.size == 1:

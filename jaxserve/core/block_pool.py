@@ -27,11 +27,16 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVCacheBlock | None:
+        """A block of KV cache group ``group`` holding ``block_hash``'s tokens, if any (the
+        same tokens hash alike in every group, but each group's pages are its own layers')."""
         blocks = self.cached_block_hash_to_block.get(block_hash)
         if not blocks:
             return None
-        return next(iter(blocks.values()))
+        for block in blocks.values():
+            if block.group == group:
+                return block
+        return None
 
     def cache_full_blocks(
         self,
@@ -39,17 +44,20 @@ class BlockPool:
         blocks: Sequence[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
+        group: int = 0,
     ) -> None:
-        """Give blocks[num_cached_blocks:num_full_blocks] the request's block hashes."""
+        """Give blocks[num_cached_blocks:num_full_blocks] (of KV cache group ``group``) the
+        request's block hashes; null entries (a sliding group's freed blocks) are skipped."""
         if num_cached_blocks >= num_full_blocks:
             return
         assert len(request.block_hashes) >= num_full_blocks, "hash missing for a full block"
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None:  # a cache hit: already hashed
+            if block.block_hash is not None or block.is_null:  # a cache hit: already hashed
                 continue
             block_hash = request.block_hashes[i]
             block.block_hash = block_hash
+            block.group = group
             self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -84,7 +92,9 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cache-hit blocks, pulling free ones out of the free queue."""
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.is_null:  # a sliding group's placeholder for a block behind the window
+                continue
+            if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.incr_ref()
 

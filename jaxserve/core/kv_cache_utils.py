@@ -72,12 +72,13 @@ class KVCacheBlock:
     """One page of the KV cache. ``ref_cnt`` counts the requests using it; a block
     with ref_cnt 0 sits in the free queue and may still hold a (lazily evicted) hash."""
 
-    __slots__ = ("block_id", "ref_cnt", "_block_hash", "prev_free_block", "next_free_block", "is_null")
+    __slots__ = ("block_id", "ref_cnt", "_block_hash", "group", "prev_free_block", "next_free_block", "is_null")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self._block_hash: BlockHash | None = None
+        self.group = 0  # the KV cache group whose tokens the hash describes (set with the hash)
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
         self.is_null = False

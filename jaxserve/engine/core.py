@@ -68,7 +68,7 @@ class EngineCore:
         self.schedulers = [
             Scheduler(config.scheduler_config, config.cache_config, self.model_runner.num_blocks,
                       speculative_config=config.speculative_config, token_bucket=self.model_runner.token_buckets,
-                      sliding_window=self.model_runner.kv_sliding_window)
+                      kv_cache_layout=self.model_runner.kv_cache_layout)
             for _ in range(pc.data_parallel_size)
         ]
         self.num_steps = 0  # steps that ran the model

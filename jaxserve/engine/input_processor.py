@@ -10,16 +10,18 @@ from jaxserve.sampling_params import SamplingParams
 class InputProcessor:
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_logprobs: int,
                  eos_token_ids: set[int], primary_eos: int | None = None,
-                 kv_cache_tokens: int | None = None, structured_output_manager=None,
-                 window_tokens: int | None = None) -> None:
+                 kv_cache_blocks: int | None = None, blocks_held=None, block_size: int = 16,
+                 structured_output_manager=None) -> None:
         self.tokenizer = tokenizer
-        # Tokens the whole KV cache holds. Sized from memory it holds max_model_len; a
+        # Usable blocks of the whole KV cache. Sized from memory it holds max_model_len; a
         # small num_gpu_blocks_override may not, and a request that cannot fit even
         # alone would be preempted and recomputed forever.
-        self.kv_cache_tokens = kv_cache_tokens
-        # Sliding-window models: the most KV slots one request ever holds (the window,
-        # one step's tokens and a partial block), whatever its length.
-        self.window_tokens = window_tokens
+        self.kv_cache_blocks = kv_cache_blocks
+        # tokens -> the most blocks a request of that many KV slots holds at once (its
+        # whole context in each full-attention group; the window, one step's tokens and
+        # partial blocks in each sliding-window group: KVCacheLayout.blocks_held).
+        self.blocks_held = blocks_held or (lambda n: -(-n // block_size))
+        self.block_size = block_size
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
@@ -92,11 +94,10 @@ class InputProcessor:
         max_tokens = max(max_tokens, 1)
         # The last sampled token is returned, never written to the cache.
         needed = min(prompt_len + max_tokens - 1, self.max_model_len)
-        if self.window_tokens is not None:
-            needed = min(needed, self.window_tokens)
-        if self.kv_cache_tokens is not None and needed > self.kv_cache_tokens:
+        if self.kv_cache_blocks is not None and self.blocks_held(needed) > self.kv_cache_blocks:
             raise ValueError(
                 f"max_tokens: the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) needs {needed} KV cache "
-                f"slots, but the whole KV cache holds {self.kv_cache_tokens} tokens; lower max_tokens or enlarge "
-                "the cache (num_gpu_blocks_override / kv_cache_memory)")
+                f"slots ({self.blocks_held(needed)} blocks), but the whole KV cache holds {self.kv_cache_blocks} "
+                f"blocks of {self.block_size} tokens; lower max_tokens or enlarge the cache "
+                "(num_gpu_blocks_override / kv_cache_memory)")
         return params, max_tokens

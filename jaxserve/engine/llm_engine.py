@@ -45,9 +45,9 @@ class LLMEngine:
             self.tokenizer, vocab_size=runner.vocab_size, max_model_len=config.scheduler_config.max_model_len,
             max_logprobs=mc.max_logprobs, eos_token_ids=eos,
             primary_eos=self.eos_token_id,
-            kv_cache_tokens=(runner.num_blocks - 1) * config.cache_config.block_size,
-            window_tokens=(runner.kv_sliding_window + config.scheduler_config.max_num_batched_tokens
-                           + 2 * config.cache_config.block_size) if runner.kv_sliding_window else None,
+            kv_cache_blocks=runner.num_blocks - 1, block_size=runner.block_size,
+            blocks_held=lambda n: runner.kv_cache_layout.blocks_held(
+                n, runner.block_size, config.scheduler_config.max_num_batched_tokens),
             structured_output_manager=self.structured_output_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Tests and drills: JAXSERVE_FAULTS (engine/fault_injection.py); None normally.

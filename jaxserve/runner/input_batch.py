@@ -33,7 +33,8 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int, vocab_size: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int, vocab_size: int,
+                 num_kv_cache_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.bitmask_words = (vocab_size + 31) // 32
         self.max_model_len = max_model_len
@@ -48,7 +49,9 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(n, np.int32)
         # Speculative decoding with a draft model: positions whose draft KV is written.
         self.draft_num_computed = np.zeros(n, np.int32)
-        self.block_table = np.zeros((n, max_num_blocks_per_req), np.int32)
+        # [n, G, Pmax]: one block table per KV cache group (core/kv_cache_groups.py); the
+        # groups' tables have the same length, so one count per request.
+        self.block_table = np.zeros((n, num_kv_cache_groups, max_num_blocks_per_req), np.int32)
         self.num_blocks = np.zeros(n, np.int32)
         self.temperature = np.zeros(n, np.float32)
         self.top_k = np.zeros(n, np.int32)
@@ -66,7 +69,8 @@ class InputBatch:
     def num_reqs(self) -> int:
         return len(self.req_id_to_index)
 
-    def add_request(self, state: CachedRequestState, num_computed_tokens: int, block_ids: list[int]) -> int:
+    def add_request(self, state: CachedRequestState, num_computed_tokens: int,
+                    block_ids: tuple[list[int], ...]) -> int:
         if not self._free_slots:
             raise RuntimeError("InputBatch is full (more running requests than max_num_seqs)")
         i = self._free_slots.pop()
@@ -106,19 +110,22 @@ class InputBatch:
         self._free_slots.append(i)
         return i
 
-    def append_block_ids(self, i: int, block_ids: list[int]) -> None:
-        if not block_ids:
+    def append_block_ids(self, i: int, block_ids: tuple[list[int], ...]) -> None:
+        """Append one list of new block ids per KV cache group (all of one length)."""
+        n = len(block_ids[0])
+        if not n:
             return
         start = self.num_blocks[i]
-        self.block_table[i, start : start + len(block_ids)] = block_ids
-        self.num_blocks[i] = start + len(block_ids)
+        self.block_table[i, :, start : start + n] = block_ids
+        self.num_blocks[i] = start + n
 
     def fill_ragged(self, rows: np.ndarray, start: np.ndarray, n: np.ndarray, block_size: int, cu: np.ndarray,
                     input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray):
         """Lay out ``n[i]`` tokens of ``rows[i]`` from position ``start[i]`` one request
         after the other (the ragged layout of a step): fills cu [Rmax+1] (query start
         offsets; past the requests, the total), and the first sum(n) entries of
-        input_ids, positions and slot_mapping (views of the padded step arrays).
+        input_ids, positions and slot_mapping ([T, G]: each token's slot in every KV
+        cache group) (views of the padded step arrays).
         Returns (tok_rows, pos): each token's row and position."""
         num_reqs, total = len(rows), int(n.sum())
         np.cumsum(n, out=cu[1:num_reqs + 1])
@@ -128,7 +135,8 @@ class InputBatch:
         pos = (start[tok_req] + np.arange(total) - cu[tok_req]).astype(np.int32)
         input_ids[:total] = self.token_ids[tok_rows, pos]
         positions[:total] = pos
-        slot_mapping[:total] = self.block_table[tok_rows, pos // block_size] * block_size + pos % block_size
+        pages = self.block_table[tok_rows, :, pos // block_size]  # [total, G]
+        slot_mapping[:total] = pages * block_size + (pos % block_size)[:, None]
         return tok_rows, pos
 
     def output_token_ids(self, i: int) -> list[int]:

@@ -34,7 +34,7 @@ from jaxserve.engine.multihost import global_array
 from jaxserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 from jaxserve.runner.bucketing import BucketTable, power_of_two_buckets
 from jaxserve.runner.input_batch import CachedRequestState, InputBatch
-from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks, kv_cache_sharding
+from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks, kv_cache_layout, kv_cache_sharding
 from jaxserve.runner.program_key import DraftKey, ModelStepKey, ProgramKey, PromptLogprobsKey, SampleKey, VerifyKey
 from jaxserve.sample.metadata import SamplingMetadata
 from jaxserve.sample.rejection_sampler import rejection_sample
@@ -172,6 +172,10 @@ class ModelRunner:
             logger.info("Loaded the draft model %s (%s) in %.1f s", spec.model, self.draft.arch.architecture,
                         time.perf_counter() - t0)
 
+        # KV cache groups: Gemma's local layers give back the blocks behind their window
+        # while its global layers keep the context (not with a draft model: it shares the
+        # pages, and its layers do not slide).
+        self.kv_cache_layout = kv_cache_layout(self.arch, free_window_blocks=self.draft is None)
         # Blocks per rank: each rank's scheduler hands out ids in [0, num_blocks).
         self.num_blocks = determine_num_blocks(
             self.arch, block_size=self.block_size, dtype=self.kv_dtype, max_model_len=self.max_model_len,
@@ -179,8 +183,10 @@ class ModelRunner:
             num_gpu_blocks_override=cc.num_gpu_blocks_override, device=self._local_device(),
             tensor_parallel_size=pc.tensor_parallel_size, num_devices=self.mesh.size,
             draft=self.draft.arch if self.draft is not None else None,
+            layout=self.kv_cache_layout, max_num_batched_tokens=self.max_num_tokens,
         )
-        self.kv_cache = allocate_kv_cache(self.arch, self.num_blocks, self.block_size, self.kv_dtype, self.mesh)
+        self.kv_cache = allocate_kv_cache(self.arch, self.num_blocks, self.block_size, self.kv_dtype, self.mesh,
+                                          slots=self.kv_cache_layout.slots_per_block)
         if self.draft is not None:
             self.draft.allocate_kv_cache(self.num_blocks)
 
@@ -188,26 +194,18 @@ class ModelRunner:
             config.request_buckets or power_of_two_buckets(min(MIN_REQUEST_BUCKET, self.max_num_reqs), self.max_num_reqs)
         )
         self.input_batches = [InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req,
-                                         self.vocab_size) for _ in range(self.dp)]
+                                         self.vocab_size, self.kv_cache_layout.num_groups) for _ in range(self.dp)]
         self.requests: dict[str, CachedRequestState] = {}
         self._seed_rng = np.random.default_rng(mc.seed)
         self.attention_backend, _ = resolve_backend(mc.attention_backend, self.platform)
         # On CPU the pallas kernels run under the Pallas interpreter (tests, debugging).
         self._attention = build_attention(mc.attention_backend, self.platform, self.mesh,
-                                          interpret=self.platform == "cpu", **attention_settings(self.arch))
+                                          interpret=self.platform == "cpu", **attention_settings(self.arch),
+                                          layer_group=self.kv_cache_layout.layer_group,
+                                          layer_slot=self.kv_cache_layout.layer_slot)
         self._build_step_functions()
         if self.draft is not None:
             self._jitted[DraftKey] = self.draft.jitted
-
-    @property
-    def kv_sliding_window(self) -> int | None:
-        """The window the scheduler may free KV blocks behind: set when every layer of the
-        model slides (Mistral), None when some layer reads the whole context (Gemma's
-        global layers) or a draft model shares the pages (it may not slide)."""
-        a = self.arch
-        if a.sliding_window is None or (a.sliding_window_layers is not None and not all(a.sliding_window_layers)):
-            return None
-        return None if self.draft is not None else a.sliding_window
 
     def _local_device(self) -> jax.Device:
         """A mesh device of this process (multi-host: only those report memory stats)."""
@@ -350,13 +348,18 @@ class ModelRunner:
         backbone's programs depend on T alone; zeros are safe padding (slot 0 is the null
         block, num_seqs 0 masks every row)."""
         r, dp = self.max_num_reqs, self.dp
-        md = AttentionMetadata(
-            slot_mapping=np.zeros(dp * t, np.int32), seq_lens=np.zeros(dp * r, np.int32),
-            query_start_loc=np.zeros(dp * (r + 1), np.int32),
-            block_tables=np.zeros((dp * r, self.max_blocks_per_req), np.int32), num_seqs=np.zeros(dp, np.int32),
-        )
-        return (np.zeros(dp * t, np.int32), np.zeros(dp * t, np.int32), md,
+        return (np.zeros(dp * t, np.int32), np.zeros(dp * t, np.int32), self.empty_attention_metadata(t),
                 np.zeros(dp * r * self.rows_per_req, np.int32))
+
+    def empty_attention_metadata(self, t: int) -> AttentionMetadata:
+        """Zeroed AttentionMetadata of token bucket ``t``, every rank's one after the other
+        (G = the KV cache groups)."""
+        r, dp, g = self.max_num_reqs, self.dp, self.kv_cache_layout.num_groups
+        return AttentionMetadata(
+            slot_mapping=np.zeros((dp * t, g), np.int32), seq_lens=np.zeros(dp * r, np.int32),
+            query_start_loc=np.zeros(dp * (r + 1), np.int32),
+            block_tables=np.zeros((dp * r, g, self.max_blocks_per_req), np.int32), num_seqs=np.zeros(dp, np.int32),
+        )
 
     # ------------------------------------------------------------------ the step
     def execute_model(self, outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput]:

@@ -79,8 +79,9 @@ class DraftModelProposer:
             for j in range(k - 1):
                 pos = next_pos + j
                 live = active & (pos < max_model_len)
-                page = md.block_tables[rows, jnp.minimum(pos // bs, md.block_tables.shape[1] - 1)]
-                slot = jnp.where(live, page * bs + pos % bs, 0)  # 0: the null block's first slot
+                # One KV cache group with a draft model (the runner's layout): table 0.
+                page = md.block_tables[rows, 0, jnp.minimum(pos // bs, md.block_tables.shape[2] - 1)]
+                slot = jnp.where(live, page * bs + pos % bs, 0)[:, None]  # 0: the null block's first slot
                 step_md = AttentionMetadata(slot_mapping=slot, seq_lens=jnp.where(live, pos + 1, 1),
                                             query_start_loc=cu, block_tables=md.block_tables, num_seqs=md.num_seqs)
                 hidden, kv_cache = model(token, jnp.where(live, pos, 0), kv_cache, step_md, attention)
@@ -97,10 +98,7 @@ class DraftModelProposer:
         """Zeroed inputs of draft bucket ``t`` (every rank's one after the other)."""
         r = self.runner
         dp, rmax = r.dp, r.max_num_reqs
-        md = AttentionMetadata(
-            slot_mapping=np.zeros(dp * t, np.int32), seq_lens=np.zeros(dp * rmax, np.int32),
-            query_start_loc=np.zeros(dp * (rmax + 1), np.int32),
-            block_tables=np.zeros((dp * rmax, r.max_blocks_per_req), np.int32), num_seqs=np.zeros(dp, np.int32))
+        md = r.empty_attention_metadata(t)
         return (np.zeros(dp * t, np.int32), np.zeros(dp * t, np.int32), md, np.zeros(dp * rmax, np.int32),
                 np.zeros(dp * rmax, np.int32), np.zeros(dp * rmax, np.bool_))
 

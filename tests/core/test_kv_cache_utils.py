@@ -122,5 +122,5 @@ def test_max_concurrency():  # KV-11
 def test_allocate_with_lookahead():  # KV-13
     m = KVCacheManager(11, 4, 8192)
     req = make_request("r", 3, block_size=4)
-    blocks = m.allocate_slots(req, 3, num_lookahead_tokens=2)
+    [blocks] = m.allocate_slots(req, 3, num_lookahead_tokens=2)
     assert len(blocks) == 2

@@ -26,12 +26,12 @@ def common(n=48):
 
 
 def schedule(m, req):
-    """What the scheduler does on admission."""
+    """What the scheduler does on admission. Returns group 0's blocks (one group here)."""
     computed, n = m.get_computed_blocks(req)
     blocks = m.allocate_slots(req, req.num_tokens - n, n, computed)
     if blocks is not None:
         req.num_computed_tokens = req.num_tokens
-    return computed, n, blocks
+    return computed[0], n, blocks if blocks is None else blocks[0]
 
 
 def test_prefill_hit_and_eviction_order():  # PC-01, PC-02, PC-03, PC-04
@@ -122,7 +122,7 @@ def test_prefix_caching_disabled():  # PC-09
     assert all(b.block_hash is None for b in m.block_pool.blocks)
     m.free(r0)
     r1 = make_request("1", 48)
-    assert m.get_computed_blocks(r1) == ([], 0)
+    assert m.get_computed_blocks(r1) == ([[]], 0)
     big = make_request("2", 16 * 11)
     assert m.allocate_slots(big, big.num_tokens) is None
     assert m.get_num_free_blocks() == 10 and not m.req_to_blocks
@@ -176,11 +176,11 @@ def test_decode_allocation():  # PC-13
     r0 = make_request("0", 55)
     schedule(m, r0)
     r0.append_output_token_ids([1, 2, 3, 4])
-    assert m.allocate_slots(r0, 4) == []
+    assert m.allocate_slots(r0, 4) == [[]]
     r0.num_computed_tokens += 4
     assert m.block_pool.blocks[4].block_hash is None
     r0.append_output_token_ids([5] * 19)
-    new = m.allocate_slots(r0, 19)
+    [new] = m.allocate_slots(r0, 19)
     assert ids(new) == [5]
     assert m.block_pool.blocks[4].block_hash == r0.block_hashes[3]
 

@@ -137,7 +137,7 @@ def test_preemption_and_resume():  # SC-08, SC-09
     assert r1.status == RequestStatus.PREEMPTED and r1.num_computed_tokens == 0
     assert list(s.waiting)[0] is r1
     assert r1.num_preemptions == 1 and r1.output_token_ids == [7]
-    assert s.kv_cache_manager.get_block_ids("1") == []
+    assert s.kv_cache_manager.get_block_ids("1") == ([],)
     # Finish r0; then r1 resumes by recomputing prompt + its generated token.
     s.finish_requests("0", RequestStatus.FINISHED_ABORTED)
     so, _ = run_step(s)
@@ -146,7 +146,7 @@ def test_preemption_and_resume():  # SC-08, SC-09
     # r1's freed blocks went back tail first and r0's new block evicted that tail, so
     # 4 of its 5 prompt blocks still hit: 81 - 64 tokens are recomputed.
     assert so.num_scheduled_tokens["1"] == 81 - 64
-    assert len(so.scheduled_cached_reqs.new_block_ids[0]) == 6
+    assert len(so.scheduled_cached_reqs.new_block_ids[0][0]) == 6
     s.finish_requests("1", RequestStatus.FINISHED_ABORTED)
     assert_scheduler_empty(s)
 
@@ -219,8 +219,8 @@ def test_undone_victim_leaves_no_hash_on_unwritten_blocks():
     # freed tail first, so hi reuses 8 and block 7 stays free, hashed but never written.
     so, _ = run_step(s)
     assert so.preempted_req_ids == {"lo"} and "lo" not in so.num_scheduled_tokens
-    assert s.kv_cache_manager.get_block_ids("hi") == [5, 6, 8]
-    blocks, hit_tokens = s.kv_cache_manager.get_computed_blocks(lo)
+    assert s.kv_cache_manager.get_block_ids("hi") == ([5, 6, 8],)
+    [blocks], hit_tokens = s.kv_cache_manager.get_computed_blocks(lo)
     assert hit_tokens == 64 and [b.block_id for b in blocks] == [1, 2, 3, 4]
     assert s.kv_cache_manager.block_pool.blocks[7].block_hash is None
     drain(s)

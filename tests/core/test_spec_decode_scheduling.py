@@ -42,7 +42,7 @@ def test_drafts_scheduled_accepted_and_rolled_back():
     assert outs[0].new_token_ids == [1, 2, 9]
     # Computed: the 14 prompt tokens + 7, 1, 2 (9 is the next step's input); 1 block holds them.
     assert req.num_computed_tokens == 17 and req.num_tokens == 18
-    assert len(s.kv_cache_manager.req_to_blocks["a"]) == 2  # positions 14..18 needed a 2nd block, and 17 stays
+    assert s.kv_cache_manager.num_blocks("a") == 2  # positions 14..18 needed a 2nd block, and 17 stays
     assert s.kv_cache_manager.get_num_free_blocks() == free_before - 1
     assert req.spec_token_ids == [5]
     st = s.spec_stats_total
@@ -57,7 +57,7 @@ def test_rejected_drafts_give_back_their_blocks():
     step(s, {}, {"a": [1, 2, 3, 4]})
     free_before = s.kv_cache_manager.get_num_free_blocks()
     step(s, {"a": [9]})  # every draft rejected: positions 15.. were only drafts
-    assert req.num_computed_tokens == 15 and len(s.kv_cache_manager.req_to_blocks["a"]) == 1
+    assert req.num_computed_tokens == 15 and s.kv_cache_manager.num_blocks("a") == 1
     assert s.kv_cache_manager.get_num_free_blocks() == free_before
     s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     s.schedule()

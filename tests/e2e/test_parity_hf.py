@@ -4,6 +4,7 @@ import pytest
 from hf_reference import HFReference, assert_greedy_match
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.core.kv_cache_utils import cdiv
 
 MAX_TOKENS = 12
 
@@ -117,15 +118,17 @@ def test_logits_close_to_hf(tiny_models, arch, kw):
     assert sample[tok].logprob == pytest.approx(ref_lp[-1, tok], abs=1e-4) and sample[tok].rank == 1
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "gemma3"])
-def test_chunked_prefill_and_preemption(tiny_models, arch):
+@pytest.mark.parametrize("arch,num_blocks", [("mixtral", 9), ("gemma3", 17)])
+def test_chunked_prefill_and_preemption(tiny_models, arch, num_blocks):
     """MoE and interleaved sliding-window models under chunked prefill, prefix-cache hits
-    and preemption: HF's tokens."""
+    and preemption: HF's tokens. (Gemma 3's two KV cache groups, local and global, hold
+    one layer's pages per block, Mixtral's blocks both layers': the same bytes.)"""
     path = tiny_models(arch, kv_heads=2)
     hf = HFReference(path)
     shared = prompts(8, [40])[0]
     ps = [shared + q for q in prompts(9, [9, 21])] + prompts(10, [35, 6])
-    llm = make_llm(path, max_num_batched_tokens=16, long_prefill_token_threshold=8, num_gpu_blocks_override=9)
+    llm = make_llm(path, max_num_batched_tokens=16, long_prefill_token_threshold=8,
+                   num_gpu_blocks_override=num_blocks)
     ours = run(llm, ps, max_tokens=20)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     for p, o in zip(ps, ours):
@@ -151,7 +154,7 @@ def test_prompt_logprobs_returned_once_despite_preemption(tiny_models):
         for i in range(1, len(p)):
             assert out.prompt_logprobs[i][p[i]].logprob == pytest.approx(ref_lp[i - 1, p[i]], abs=1e-4)
     # A request that could not fit even alone would be preempted and recomputed forever.
-    with pytest.raises(ValueError, match=r"needs 113 KV cache slots, but the whole KV cache holds 112 tokens"):
+    with pytest.raises(ValueError, match=r"needs 113 KV cache slots \(8 blocks\), but the whole KV cache holds 7 blocks"):
         llm.generate({"prompt_token_ids": ps[0]}, SamplingParams(max_tokens=74), use_tqdm=False)
     # 40 + 73 tokens fit: the last sampled token is never written to the cache.
     out = llm.generate({"prompt_token_ids": ps[0]}, SamplingParams(max_tokens=73, ignore_eos=True), use_tqdm=False)
@@ -211,7 +214,7 @@ def test_sliding_window_frees_blocks_and_matches_hf(tiny_models):
     p = prompts(11, [30])[0]
     llm = make_llm(path, num_gpu_blocks_override=12, max_num_batched_tokens=16)  # 11 blocks = 176 tokens
     engine, kvm = llm.llm_engine, llm.llm_engine.scheduler.kv_cache_manager
-    assert engine.model_runner.kv_sliding_window == 24
+    assert [g.sliding_window for g in engine.model_runner.kv_cache_layout.groups] == [24]
     engine.add_request("long", {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     held, out = [], None
     while engine.has_unfinished_requests():
@@ -222,6 +225,32 @@ def test_sliding_window_frees_blocks_and_matches_hf(tiny_models):
     assert max(held) <= (24 + 16) // 16 + 2, held
     ref, margins = hf.greedy(p, 200)
     assert_greedy_match(out.outputs[0].token_ids, ref, margins, "mistral window 24")
+
+
+def test_gemma_local_layers_free_blocks_and_match_hf(tiny_models):
+    """Gemma 3 with local (window 8) and global layers interleaved: two KV cache groups.
+    One long request decodes 200 tokens; its global group keeps the whole context, its
+    local group at most the window's blocks plus a step's, and the tokens are HF's. With
+    whole-context KV in every layer the cache (20 blocks of 2 layers) could not hold it."""
+    path = tiny_models("gemma3", kv_heads=2, layers=4)
+    hf = HFReference(path)
+    p = prompts(12, [30])[0]
+    llm = make_llm(path, num_gpu_blocks_override=21, max_num_batched_tokens=16)
+    engine, kvm = llm.llm_engine, llm.llm_engine.scheduler.kv_cache_manager
+    layout = engine.model_runner.kv_cache_layout
+    assert [(g.layers, g.sliding_window) for g in layout.groups] == [((1, 3), None), ((0, 2), 8)]
+    assert engine.model_runner.kv_cache.shape[0] == 2  # a block is 2 layers' pages
+    engine.add_request("long", {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    held, out = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o if o.finished else out
+        if "long" in kvm.req_to_blocks:
+            held.append((kvm.num_held_blocks("long", 0), kvm.num_held_blocks("long", 1)))
+    assert max(h[1] for h in held) <= (8 + 16) // 16 + 2, held
+    assert max(h[0] for h in held) == cdiv(30 + 199, 16)
+    ref, margins = hf.greedy(p, 200)
+    assert_greedy_match(out.outputs[0].token_ids, ref, margins, "gemma3 local window 8")
 
 
 @pytest.mark.slow

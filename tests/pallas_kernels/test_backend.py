@@ -102,10 +102,12 @@ def scan_layers(attention, q, k, v, md, cache):
 def test_built_attention_writes_then_attends():
     """build_attention's per-layer function (KV write + kernel) gives the same output and
     cache with the pallas path (interpreted) as with the reference, inside a jitted scan."""
-    from types import SimpleNamespace
+    import dataclasses
 
     import jax.numpy as jnp
     import numpy as np
+
+    from models.attention_metadata import AttentionMetadata
 
     rng = np.random.default_rng(0)
     L, P, S, K, H, N = 2, 8, 16, 2, 64, 4
@@ -113,9 +115,10 @@ def test_built_attention_writes_then_attends():
     # Request 0 decodes its 20th token (pages 1, 2); request 1 prefills 5 tokens (page 3).
     # Three padded tokens write the null page 0.
     slots = np.array([1 * S + 3, 3 * S, 3 * S + 1, 3 * S + 2, 3 * S + 3, 3 * S + 4, 0, 0], np.int32)
-    md = SimpleNamespace(slot_mapping=jnp.asarray(slots), seq_lens=jnp.asarray([20, 5, 0], jnp.int32),
-                         query_start_loc=jnp.asarray([0, 1, 6, 6], jnp.int32),
-                         block_tables=jnp.asarray([[1, 2], [3, 0], [0, 0]], jnp.int32), num_seqs=jnp.int32(2))
+    tables = np.array([[1, 2], [3, 0], [0, 0]], np.int32)
+    md = AttentionMetadata(slot_mapping=jnp.asarray(slots[:, None]), seq_lens=jnp.asarray([20, 5, 0], jnp.int32),
+                           query_start_loc=jnp.asarray([0, 1, 6, 6], jnp.int32),
+                           block_tables=jnp.asarray(tables[:, None]), num_seqs=jnp.asarray([2], jnp.int32))
     q = jnp.asarray(rng.standard_normal((8, N, H)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((L, 8, K, H)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((L, 8, K, H)), jnp.float32)
@@ -130,6 +133,21 @@ def test_built_attention_writes_then_attends():
     np.testing.assert_array_equal(cache_out[:, 1:], ref_cache[:, 1:])  # the pallas write skips the null page
     np.testing.assert_allclose(o[:, :6], ref_o[:, :6], rtol=2e-5, atol=2e-5)
     assert not np.array_equal(ref_cache[:, 3], np.asarray(cache)[:, 3])  # the new tokens were written
+
+    # Two KV cache groups of one layer each, sharing one slot of a cache of 2P pages:
+    # layer 1's group has its own block table (pages P.. hold what slot 1 held), so each
+    # layer reads and writes exactly the pages of the one-group run.
+    grouped_md = dataclasses.replace(
+        md, slot_mapping=jnp.asarray(np.stack([slots, np.where(slots > 0, slots + P * S, 0)], axis=1)),
+        block_tables=jnp.asarray(np.stack([tables, np.where(tables > 0, tables + P, 0)], axis=1)))
+    grouped_cache = jnp.concatenate([cache[0], cache[1]])[None]  # [1, 2P, S, 2K, H]
+    for name in ("reference", "pallas"):
+        attention = backend.build_attention(name, "cpu", None, sm_scale=H ** -0.5, layer_group=(0, 1),
+                                            layer_slot=(0, 0))
+        cache_out, o = (np.asarray(a) for a in scan_layers(attention, q, k, v, grouped_md, grouped_cache))
+        np.testing.assert_allclose(o[:, :6], ref_o[:, :6], rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(cache_out[0, 1:P], ref_cache[0, 1:])
+        np.testing.assert_array_equal(cache_out[0, P + 1:], ref_cache[1, 1:])
 
 
 @pytest.mark.parametrize("variant", ["fp8", "fp8_scaled", "windows"])
@@ -153,9 +171,9 @@ def test_built_attention_fp8_cache_and_per_layer_windows(variant):
     slots = np.array([1 * S + i for i in range(16)] + [2 * S + i for i in range(14)] +
                      [3 * S + i for i in range(5)] + [0], np.int32)
     T = len(slots)
-    md = AttentionMetadata(slot_mapping=jnp.asarray(slots), seq_lens=jnp.asarray([30, 5, 0], jnp.int32),
+    md = AttentionMetadata(slot_mapping=jnp.asarray(slots[:, None]), seq_lens=jnp.asarray([30, 5, 0], jnp.int32),
                            query_start_loc=jnp.asarray([0, 30, 35, 35], jnp.int32),
-                           block_tables=jnp.asarray([[1, 2], [3, 0], [0, 0]], jnp.int32),
+                           block_tables=jnp.asarray([[[1, 2]], [[3, 0]], [[0, 0]]], jnp.int32),
                            num_seqs=jnp.asarray([2], jnp.int32))
     q = jnp.asarray(rng.standard_normal((T, N, H)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((L, T, K, H)), jnp.float32)

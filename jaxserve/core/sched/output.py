@@ -22,7 +22,7 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]  # every block the request owns, in order
+    block_ids: tuple[list[int], ...]  # every block the request owns, in order, per KV cache group
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
 
 
@@ -34,7 +34,7 @@ class CachedRequestData:
     # True: the request was preempted and is back; new_block_ids then *replace* its
     # block table (its old blocks were freed) instead of extending it.
     resumed_from_preemption: list[bool] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)  # per KV cache group
     num_computed_tokens: list[int] = field(default_factory=list)
 
     @property

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from jaxserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from jaxserve.core.kv_cache_groups import KVCacheLayout
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.kv_cache_utils import KVCacheBlock, PrefixCacheStats, cdiv, get_request_block_hasher
 from jaxserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -100,11 +101,13 @@ class Scheduler:
         speculative_config: SpeculativeConfig | None = None,
         token_bucket=None,
         sliding_window: int | None = None,
+        kv_cache_layout: KVCacheLayout | None = None,
     ) -> None:
         """token_bucket: the runner's padded token count for a count (speculative
         decoding weighs drafts by the measured time of the bucket they lead to).
         sliding_window: every layer of the model attends to this many tokens at most, so
-        blocks behind the window are given back (KVCacheManager)."""
+        blocks behind the window are given back (KVCacheManager). kv_cache_layout: the
+        runner's KV cache groups (Gemma's local and global layers), instead."""
         self.scheduler_config = scheduler_config
         self.speculative_config = speculative_config
         self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
@@ -126,6 +129,7 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks, self.block_size, self.max_model_len, cache_config.enable_prefix_caching,
             sliding_window=sliding_window,
+            layout=kv_cache_layout,
         )
         # Hashes are only needed with prefix caching; computing them is not free.
         self.block_hasher = get_request_block_hasher(self.block_size) if cache_config.enable_prefix_caching else None
@@ -195,7 +199,7 @@ class Scheduler:
         scheduled_resumed_reqs: list[Request] = []
         scheduled_running_reqs: list[Request] = []
         preempted_reqs: list[Request] = []
-        req_to_new_block_ids: dict[str, list[int]] = {}
+        req_to_new_block_ids: dict[str, tuple[list[int], ...]] = {}
         num_scheduled_tokens: dict[str, int] = {}
         token_budget = self.max_num_scheduled_tokens
 
@@ -236,7 +240,7 @@ class Scheduler:
                 break
 
             scheduled_running_reqs.append(request)
-            req_to_new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            req_to_new_block_ids[request.request_id] = tuple([b.block_id for b in g] for g in new_blocks)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
@@ -385,10 +389,10 @@ class Scheduler:
         num_new_tokens: int,
         scheduled_running_reqs: list[Request],
         num_scheduled_tokens: dict[str, int],
-        req_to_new_block_ids: dict[str, list[int]],
+        req_to_new_block_ids: dict[str, tuple[list[int], ...]],
         preempted_reqs: list[Request],
         scheduled_spec_decode_tokens: dict[str, list[int]],
-    ) -> tuple[list[KVCacheBlock] | None, int, int]:
+    ) -> tuple[list[list[KVCacheBlock]] | None, int, int]:
         """Slots for a running request, preempting running requests until they fit.
 
         Out of blocks: preempt the lowest-priority request (the last added under FCFS)
@@ -584,10 +588,12 @@ class Scheduler:
         """Block accounting must add up after every step."""
         pool = self.kv_cache_manager.block_pool
         refs = [0] * pool.num_gpu_blocks
-        for req_id, blocks in self.kv_cache_manager.req_to_blocks.items():
+        for req_id, lists in self.kv_cache_manager.req_to_blocks.items():
             assert req_id in self.requests, f"blocks held by unknown request {req_id}"
-            for b in blocks:
-                refs[b.block_id] += 1
+            assert len({len(blocks) for blocks in lists}) == 1, "groups' block lists differ in length"
+            for blocks in lists:
+                for b in blocks:
+                    refs[b.block_id] += 1
         free_ids = {b.block_id for b in pool.free_block_queue.get_all_free_blocks()}
         assert len(free_ids) == pool.get_num_free_blocks()
         for b in pool.blocks[1:]:
@@ -606,7 +612,7 @@ class Scheduler:
             # Past num_tokens only by the draft tokens of the step just scheduled.
             assert r.num_computed_tokens <= r.num_tokens + self.num_spec_tokens
             need = cdiv(min(r.num_computed_tokens, self.max_model_len), self.block_size)
-            assert len(self.kv_cache_manager.req_to_blocks.get(r.request_id, [])) >= need
+            assert self.kv_cache_manager.num_blocks(r.request_id) >= need
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM, RequestStatus.PREEMPTED)
             assert r.request_id not in self.kv_cache_manager.req_to_blocks
