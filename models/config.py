@@ -49,6 +49,8 @@ class ModelArchConfig:
     expert_parallel: bool = False
     # Weight-only quantization of the projections at load (models/quantization.py).
     quantization: str | None = None
+    # (k_scale, v_scale) of a float8 KV cache, from the checkpoint (kv_cache_scheme); None: 1.0.
+    kv_cache_scales: tuple[float, float] | None = None
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     # Tensor parallelism (models/sharding.py: arch_for_tensor_parallel). The embedding and

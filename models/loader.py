@@ -15,7 +15,8 @@ from jax.sharding import Mesh
 from models.base import MODEL
 from models.checkpoint import is_orbax_checkpoint, restore_orbax
 from models.config import ModelArchConfig
-from models.quantization import check_quantization, checkpoint_transform, quantizer, read_checkpoint_quantization
+from models.quantization import (KV_SCALE_TENSORS, check_quantization, checkpoint_transform, quantizer,
+                                 read_checkpoint_quantization, read_kv_cache_scales)
 from models.registry import get_model_class
 from models.sharding import arch_for_tensor_parallel, place_variables
 from models.weights import SafetensorsCheckpoint, stream_safetensors
@@ -44,6 +45,8 @@ def load_model(model_path: str | Path, *, mesh: Mesh, dtype, progress: bool = Tr
     else:
         arch, params = _read_params(model_path, arch, model_cls, quantization, mesh=mesh, dtype=dtype,
                                     progress=progress)
+    if not is_orbax_checkpoint(model_path):
+        arch = dataclasses.replace(arch, kv_cache_scales=read_kv_cache_scales(SafetensorsCheckpoint(model_path)))
     # The module is built around the placed arrays (make_param keeps them as they are):
     # its graph costs no memory, and only the computed variables (rope) are placed here.
     model = model_cls(arch, params, dtype=dtype, scan_layers=scan_layers, mesh=mesh)
@@ -62,7 +65,8 @@ def _read_params(model_path, arch, model_cls, quantization, *, mesh, dtype, prog
             for name in list(params):
                 params.update(transform(name, params.pop(name)))
     else:
-        params = stream_safetensors(model_path, arch, model_cls, mesh, dtype, progress=progress, transform=transform)
+        params = stream_safetensors(model_path, arch, model_cls, mesh, dtype, progress=progress, transform=transform,
+                                    extra_ignored=(KV_SCALE_TENSORS,))
     return arch, params
 
 
@@ -84,5 +88,5 @@ def _read_prequantized(model_path, arch, model_cls, stored, quantization, *, mes
     ckpt = SafetensorsCheckpoint(model_path)
     transform, dtypes = checkpoint_transform(ckpt, wm, arch, mesh, dtype)
     params = stream_safetensors(model_path, arch, model_cls, mesh, dtype, progress=progress, transform=transform,
-                                param_dtypes=dtypes, extra_ignored=(r".*\.weight_scale", r".*\.input_scale"))
+                                param_dtypes=dtypes, extra_ignored=(r".*\.weight_scale", r".*\.input_scale", KV_SCALE_TENSORS))
     return arch, params

@@ -17,6 +17,7 @@ shared-expert gate.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -126,10 +127,48 @@ class CheckpointQuantization:
     strategy: str  # "channel" (a scale per output row) or "tensor" (one scale)
 
 
+# Per-layer KV cache scales of a compressed-tensors checkpoint with a kv_cache_scheme
+# (llm-compressor writes self_attn.k_scale / v_scale; older exports k_proj.output_scale).
+KV_SCALE_TENSORS = r"model\.layers\.\d+\.self_attn\.(?:[kv]_scale|[kv]_proj\.output_scale)"
+
+
+def read_kv_cache_scales(ckpt) -> tuple[float, float] | None:
+    """(k_scale, v_scale) for a float8 KV cache from the checkpoint's per-layer scales, or
+    None when it has none. Our cache has one scale per tensor for all layers (folded into
+    the kernels' products), so each is the largest layer's: stored = value / scale never
+    saturates where the checkpoint's calibration said a layer's values reach."""
+    found: dict[str, list[float]] = {"k": [], "v": []}
+    pattern = re.compile(KV_SCALE_TENSORS)
+    for name in ckpt.tensors:
+        if pattern.fullmatch(name):
+            kind = name.rsplit(".", 2)[-2][0] if name.endswith("output_scale") else name.rsplit(".", 1)[-1][0]
+            value = ckpt.read(name, tuple(slice(None) for _ in ckpt.tensors[name].shape))
+            found[kind].append(float(np.max(np.asarray(value, np.float32))))
+    if not found["k"] and not found["v"]:
+        return None
+    if not found["k"] or not found["v"]:
+        raise ValueError("the checkpoint has KV cache scales for only one of k and v")
+    k, v = max(found["k"]), max(found["v"])
+    if not (np.isfinite(k) and np.isfinite(v) and k > 0 and v > 0):
+        raise ValueError(f"the checkpoint's KV cache scales must be finite and positive, got k={k}, v={v}")
+    return k, v
+
+
+def _check_kv_cache_scheme(scheme: dict) -> None:
+    """A compressed-tensors ``kv_cache_scheme``: float8, one scale per tensor, symmetric
+    (what ``--kv-cache-dtype fp8`` stores); anything else is a ValueError."""
+    kind, bits = scheme.get("type"), scheme.get("num_bits")
+    strategy, symmetric = scheme.get("strategy", "tensor"), bool(scheme.get("symmetric", True))
+    if kind != "float" or bits != 8 or strategy != "tensor" or not symmetric:
+        raise ValueError(f"quantization_config.kv_cache_scheme: type={kind} num_bits={bits} strategy={strategy} "
+                         f"symmetric={symmetric} is not supported (8-bit float, tensor, symmetric)")
+
+
 def read_checkpoint_quantization(cfg: dict) -> CheckpointQuantization | None:
     """config.json's ``quantization_config`` (compressed-tensors), or None when the weights
-    are plain. ValueError for the schemes not served: groups / blocks, asymmetric
-    weights (zero points), packed int4, other quantizers (GPTQ, AWQ, bitsandbytes)."""
+    are plain (a config with only a ``kv_cache_scheme`` has plain weights). ValueError for
+    the schemes not served: groups / blocks, asymmetric weights (zero points), packed
+    int4, other quantizers (GPTQ, AWQ, bitsandbytes)."""
     qc = cfg.get("quantization_config")
     if not qc:
         return None
@@ -142,6 +181,10 @@ def read_checkpoint_quantization(cfg: dict) -> CheckpointQuantization | None:
         raise ValueError(f"quantization_config.format={fmt!r} is not supported (int-quantized, float-quantized, "
                          "naive-quantized)")
     groups = list((qc.get("config_groups") or {}).values())
+    if qc.get("kv_cache_scheme"):
+        _check_kv_cache_scheme(qc["kv_cache_scheme"])
+        if not any(g.get("weights") for g in groups):
+            return None
     schemes = {(g["weights"].get("type"), g["weights"].get("num_bits"), g["weights"].get("strategy"),
                 bool(g["weights"].get("symmetric", True))) for g in groups if g.get("weights")}
     if len(schemes) != 1:

@@ -199,8 +199,13 @@ class ModelRunner:
         self._seed_rng = np.random.default_rng(mc.seed)
         self.attention_backend, _ = resolve_backend(mc.attention_backend, self.platform)
         # On CPU the pallas kernels run under the Pallas interpreter (tests, debugging).
+        # A float8 cache uses the checkpoint's KV scales (kv_cache_scheme) when it has them.
+        self.kv_cache_scales = (self.arch.kv_cache_scales or (1.0, 1.0)) if self.kv_dtype != self.dtype else (1.0, 1.0)
+        if self.arch.kv_cache_scales and self.kv_dtype == self.dtype:
+            logger.info("The checkpoint's KV cache scales are unused: kv_cache_dtype is not fp8")
         self._attention = build_attention(mc.attention_backend, self.platform, self.mesh,
                                           interpret=self.platform == "cpu", **attention_settings(self.arch),
+                                          k_scale=self.kv_cache_scales[0], v_scale=self.kv_cache_scales[1],
                                           layer_group=self.kv_cache_layout.layer_group,
                                           layer_slot=self.kv_cache_layout.layer_slot)
         self._build_step_functions()

@@ -203,3 +203,56 @@ def test_unsupported_checkpoint_quantization_is_one_clear_error(change, match):
     with pytest.raises(ValueError, match=match):
         read_checkpoint_quantization({"quantization_config": qc})
     assert read_checkpoint_quantization({}) is None
+
+
+def test_checkpoint_kv_cache_scales(tmp_path):
+    """A compressed-tensors checkpoint with a kv_cache_scheme and plain weights: its
+    per-layer k / v scales (both spellings) load; an fp8 cache stores value / scale with
+    the largest layer's scales and serves as the unscaled fp8 cache does; without fp8
+    they are unused. Another kv_cache_scheme is one clear error."""
+    import json
+    import shutil
+
+    from hf_factory import make_tiny_hf_model
+    from safetensors.numpy import load_file, save_file
+
+    from jaxserve import SamplingParams
+
+    path = make_tiny_hf_model(tmp_path / "llama", "llama", kv_heads=2)
+    dst = tmp_path / "kv-scales"
+    shutil.copytree(path, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors["model.layers.0.self_attn.k_scale"] = np.array(0.125, np.float32)
+    tensors["model.layers.0.self_attn.v_scale"] = np.array(0.5, np.float32)
+    tensors["model.layers.1.self_attn.k_proj.output_scale"] = np.array([0.25], np.float32)
+    tensors["model.layers.1.self_attn.v_proj.output_scale"] = np.array([0.25], np.float32)
+    save_file(tensors, str(dst / "model.safetensors"))
+    cfg = json.loads((dst / "config.json").read_text())
+    scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                  "config_groups": {}, "kv_cache_scheme": scheme}
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+    p = np.random.default_rng(4).integers(3, 500, 30).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+
+    def run(model, **kw):
+        llm = _llm(model, **kw)
+        out = llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0]
+        runner = llm.llm_engine.model_runner
+        k = np.asarray(runner.kv_cache.astype(jnp.float32))[..., :runner.arch.num_key_value_heads, :]
+        lps = np.array([out.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
+        return runner.kv_cache_scales, np.abs(k).max(), lps
+
+    scales, k_max, scaled = run(dst, kv_cache_dtype="fp8")
+    assert scales == (0.25, 0.5)
+    unit, k_max_unit, unscaled = run(path, kv_cache_dtype="fp8")
+    assert unit == (1.0, 1.0)
+    assert k_max / k_max_unit == pytest.approx(4.0, rel=0.07)  # k / 0.25, rounded to e4m3
+    _, _, f32 = run(path)
+    assert np.abs(scaled - f32).max() < 0.1 and np.abs(unscaled - f32).max() < 0.1  # e4m3: 3 mantissa bits
+    assert run(dst)[0] == (1.0, 1.0)  # an f32 cache ignores them
+    cfg["quantization_config"]["kv_cache_scheme"] = dict(scheme, type="int")
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="kv_cache_scheme: type=int"):
+        _llm(dst)
