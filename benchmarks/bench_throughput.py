@@ -2,6 +2,12 @@
 prompts, ignore_eos, fixed output length.
 
     python benchmarks/bench_throughput.py --num-prompts 64 --input-len 128 --output-len 64 --temperature 0
+
+Against a peer on the same prompts (random token ids, lengths drawn with the seed), the
+peer run first in its own Python environment (benchmarks/peer_throughput.py):
+
+    python benchmarks/bench_throughput.py --input-len-range 32 256 --peer vllm --peer-python ../vllm-venv/bin/python
+    python benchmarks/bench_throughput.py --input-len-range 32 256 --peer hf   # torch from the test extra
 """
 from __future__ import annotations
 
@@ -24,6 +30,13 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--input-len-range", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                    help="prompt lengths drawn uniformly from [MIN, MAX] (instead of --input-len)")
+    ap.add_argument("--peer", choices=("vllm", "hf", "llamacpp"), default=None,
+                    help="also run these prompts through this engine (benchmarks/peer_throughput.py) and print the ratio")
+    ap.add_argument("--peer-python", default=sys.executable, help="the Python of the peer's environment")
+    ap.add_argument("--peer-model", default=None,
+                    help="the peer's model (default: the same HF folder; llamacpp: the default model's GGUF file)")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -38,17 +51,19 @@ def main() -> None:
 
     from jaxserve import LLM, SamplingParams
 
+    from models.default_model import default_model_dir
+
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    token_prompts = make_prompts(args, vocab)
+    if args.peer:  # first, so the peer's start-up and run share nothing with ours
+        peer = run_peer(args, model_dir, token_prompts)
     t0 = time.perf_counter()
-    llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+    llm = LLM(str(model_dir), max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, dtype=args.dtype,
               quantization=args.quantization, compilation_cache=not args.no_compilation_cache)
     startup = time.perf_counter() - t0
-    vocab = llm.llm_engine.vocab_size
-    rng = np.random.default_rng(args.seed)
-    # Random token prompts (BM "random" dataset); ids avoid the special tokens at the bottom.
-    prompts = [{"prompt_token_ids": rng.integers(100, vocab, args.input_len).tolist()} for _ in range(args.num_prompts)]
-    if args.input_len + args.output_len > args.max_model_len:
-        raise SystemExit("max_model_len must be >= input_len + output_len")
+    prompts = [{"prompt_token_ids": p} for p in token_prompts]
     sp = SamplingParams(temperature=args.temperature, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp)
@@ -65,11 +80,46 @@ def main() -> None:
           f"{output_tokens / elapsed:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {prompt_tokens}")
     print(f"Total num output tokens:  {output_tokens}")
+    if args.peer:
+        ours = output_tokens / elapsed
+        print(f"peer {peer['engine']} {peer['version']}: {peer['output_tokens_per_s']:.2f} output tokens/s "
+              f"({peer['output_tokens']} tokens in {peer['elapsed_s']:.1f} s), start-up {peer['startup_s']:.1f} s")
+        print(f"jaxserve / {peer['engine']}: {ours / peer['output_tokens_per_s']:.2f}x output tokens/s")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({
             "elapsed_time": elapsed, "num_requests": len(outs), "total_num_tokens": total,
             "requests_per_second": len(outs) / elapsed, "tokens_per_second": total / elapsed,
         }, indent=2))
+
+
+def make_prompts(args, vocab: int) -> list[list[int]]:
+    """Random token prompts (BM "random" dataset), ids above the special tokens at the bottom;
+    lengths --input-len, or drawn from --input-len-range, with --seed."""
+    rng = np.random.default_rng(args.seed)
+    lo, hi = args.input_len_range or (args.input_len, args.input_len)
+    if hi + args.output_len > args.max_model_len:
+        raise SystemExit("max_model_len must be >= the longest prompt + output_len")
+    lens = rng.integers(lo, hi + 1, args.num_prompts)
+    return [rng.integers(100, vocab, n).tolist() for n in lens]
+
+
+def run_peer(args, model_dir: Path, prompts: list[list[int]]) -> dict:
+    """The peer on the same prompts, in its own process and environment."""
+    import subprocess
+    import tempfile
+
+    from models.default_model import default_gguf_path
+
+    model = args.peer_model or (str(default_gguf_path()) if args.peer == "llamacpp" else str(model_dir))
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    cmd = [args.peer_python, str(Path(__file__).with_name("peer_throughput.py")), "--engine", args.peer,
+           "--model", model, "--prompts", f.name, "--output-len", str(args.output_len),
+           "--batch-size", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
+    print(f"Running the peer: {' '.join(cmd)}", flush=True)
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+    # The peer's own logs share stdout (vLLM logs its shutdown after our line).
+    return json.loads(next(line for line in out.splitlines() if line.startswith('{"engine"')))
 
 
 if __name__ == "__main__":
