@@ -64,6 +64,7 @@ class InputBatch:
         self.min_tokens = np.zeros(n, np.int32)
         self.stop_ids = np.full((n, MAX_MASKED_STOP_IDS), -1, np.int32)
         self.wants_prompt_logprobs = np.zeros(n, np.bool_)
+        self.wants_logprobs = np.zeros(n, np.bool_)
 
     @property
     def num_reqs(self) -> int:
@@ -100,6 +101,7 @@ class InputBatch:
         self.stop_ids[i] = -1
         self.stop_ids[i, : len(stop)] = stop
         self.wants_prompt_logprobs[i] = sp.prompt_logprobs is not None
+        self.wants_logprobs[i] = sp.logprobs is not None
         return i
 
     def remove_request(self, req_id: str) -> int | None:

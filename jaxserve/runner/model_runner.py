@@ -120,7 +120,8 @@ class ModelRunner:
         # The KV pages' dtype: the model's, or float8 e4m3 (written saturating, widened by
         # the attention kernel as it loads them).
         self.kv_dtype = jnp.float8_e4m3fn if cc.cache_dtype.startswith("fp8") else self.dtype
-        if self.kv_dtype != self.dtype and self.platform == "tpu" and \
+        fp8_cache = self.kv_dtype != self.dtype
+        if fp8_cache and self.platform == "tpu" and \
                 resolve_backend(mc.attention_backend, self.platform)[0] == "pallas":
             raise ValueError("kv_cache_dtype=fp8 is not supported by the TPU attention kernel on hardware yet "
                              "(it runs on GPU, on CPU and in interpret mode); use kv_cache_dtype=auto")
@@ -200,8 +201,8 @@ class ModelRunner:
         self.attention_backend, _ = resolve_backend(mc.attention_backend, self.platform)
         # On CPU the pallas kernels run under the Pallas interpreter (tests, debugging).
         # A float8 cache uses the checkpoint's KV scales (kv_cache_scheme) when it has them.
-        self.kv_cache_scales = (self.arch.kv_cache_scales or (1.0, 1.0)) if self.kv_dtype != self.dtype else (1.0, 1.0)
-        if self.arch.kv_cache_scales and self.kv_dtype == self.dtype:
+        self.kv_cache_scales = (self.arch.kv_cache_scales or (1.0, 1.0)) if fp8_cache else (1.0, 1.0)
+        if self.arch.kv_cache_scales and not fp8_cache:
             logger.info("The checkpoint's KV cache scales are unused: kv_cache_dtype is not fp8")
         self._attention = build_attention(mc.attention_backend, self.platform, self.mesh,
                                           interpret=self.platform == "cpu", **attention_settings(self.arch),
@@ -241,14 +242,14 @@ class ModelRunner:
             last = jnp.take_along_axis(by_rank, logits_indices.reshape(dp, -1, 1), axis=1)
             return hidden, last.reshape(-1, hidden.shape[-1]), kv_cache
 
-        def sample_step(state, hidden_last, smd, *, num_reqs, greedy_only, use_penalties):
+        def sample_step(state, hidden_last, smd, *, num_reqs, greedy_only, use_penalties, plain):
             model = nnx.merge(graphdef, state)
             logits = model.compute_logits(per_rank_rows(hidden_last, num_reqs))
             return sample(logits, smd, greedy_only=greedy_only, use_penalties=use_penalties,
-                          num_logprobs=self.max_logprobs)
+                          num_logprobs=self.max_logprobs, plain=plain)
 
         def verify_step(state, hidden_last, smd, draft_token_ids, num_draft_tokens, *, num_reqs, greedy_only,
-                        use_penalties):
+                        use_penalties, plain):
             model = nnx.merge(graphdef, state)
             logits = model.compute_logits(per_rank_rows(hidden_last, num_reqs, all_positions=True))
             return rejection_sample(logits, draft_token_ids, num_draft_tokens, smd, greedy_only=greedy_only,
@@ -266,10 +267,10 @@ class ModelRunner:
         self._jitted = {
             ModelStepKey: jax.jit(model_step, donate_argnums=(1,),
                                   out_shardings=(None, None, kv_cache_sharding(self.mesh))),
-            SampleKey: jax.jit(sample_step, static_argnames=("num_reqs", "greedy_only", "use_penalties"),
+            SampleKey: jax.jit(sample_step, static_argnames=("num_reqs", "greedy_only", "use_penalties", "plain"),
                                out_shardings=self._replicated),
             PromptLogprobsKey: jax.jit(prompt_logprobs_step, out_shardings=self._replicated),
-            VerifyKey: jax.jit(verify_step, static_argnames=("num_reqs", "greedy_only", "use_penalties"),
+            VerifyKey: jax.jit(verify_step, static_argnames=("num_reqs", "greedy_only", "use_penalties", "plain"),
                                out_shardings=self._replicated),
         }
         # Executables compiled ahead of time by warmup(), by program key; the jitted
@@ -303,7 +304,8 @@ class ModelRunner:
         dtypes and shardings match what serving passes to the executables."""
         t0 = time.perf_counter()
         keys: list[ProgramKey] = [ModelStepKey(t) for t in self.token_buckets]
-        keys += [SampleKey(r, g, p) for r in self.request_buckets for g in (True, False) for p in (False, True)]
+        keys += [SampleKey(r, g, p, plain) for r in self.request_buckets for g in (True, False) for p in (False, True)
+                 for plain in (False, True)]
         if self.num_spec:
             keys += [VerifyKey(r, g, p) for r in self.request_buckets for g in (True, False) for p in (False, True)]
         if self.draft is not None:
@@ -437,6 +439,8 @@ class ModelRunner:
                 for ib, ids in zip(self.input_batches, ranks)]
         greedy = all(ib.is_greedy(r) for ib, r in zip(self.input_batches, rows))
         use_penalties = any(ib.uses_penalties(r) for ib, r in zip(self.input_batches, rows))
+        plain = not any(ib.wants_logprobs[r].any() for ib, r in zip(self.input_batches, rows)) and \
+            all(so.grammar_bitmask is None for so in outputs)
         rank_steps, smds, lp_targets = [], [], None
         s = self.rows_per_req
         verify = any(so.scheduled_spec_decode_tokens for so in outputs)
@@ -473,7 +477,8 @@ class ModelRunner:
                 smd_rank.allowed_token_bitmask[at] = so.grammar_bitmask
             smds.append(smd_rank)
         smd = smds[0] if self.dp == 1 else jax.tree.map(lambda *xs: np.concatenate(xs), *smds)
-        sample_key = (VerifyKey if verify else SampleKey)(r_pad, greedy, use_penalties)
+        # Verification keeps its logprobs (one program set; drafts are a minority case).
+        sample_key = VerifyKey(r_pad, greedy, use_penalties) if verify else SampleKey(r_pad, greedy, use_penalties, plain)
         return PreparedStep(
             ranks=rank_steps, model_key=ModelStepKey(t_pad), model_inputs=(input_ids, positions, md, logits_indices),
             sample_key=sample_key, sampling_metadata=smd, prompt_logprobs_targets=lp_targets,

@@ -23,11 +23,14 @@ class ModelStepKey:
 @dataclass(frozen=True, slots=True)
 class SampleKey:
     """Logits + sampler for a request bucket; greedy-only and penalty-free batches get
-    cheaper variants (no random draw / no token-history scatter)."""
+    cheaper variants (no random draw / no token-history scatter), and so do plain ones:
+    no request wants logprobs and none is grammar-constrained, so the sampler skips the
+    log-softmax, its top-k and the grammar mask (each a pass over [R, V])."""
 
     num_reqs: int
     greedy_only: bool
     use_penalties: bool
+    plain: bool = False
 
     def static_args(self) -> dict:
         return asdict(self)

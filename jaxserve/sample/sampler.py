@@ -144,9 +144,17 @@ def process_logits(logits, md: SamplingMetadata, *, use_penalties: bool):
     return raw, logits
 
 
-def sample(logits, md: SamplingMetadata, *, greedy_only: bool, use_penalties: bool, num_logprobs: int):
-    """logits: [R, V] f32 -> (sampled [R] int32, logprob ids [R, k+1], logprobs [R, k+1], ranks [R])."""
-    raw, logits = process_logits(logits, md, use_penalties=use_penalties)
+def sample(logits, md: SamplingMetadata, *, greedy_only: bool, use_penalties: bool, num_logprobs: int,
+           plain: bool = False):
+    """logits: [R, V] f32 -> (sampled [R] int32, logprob ids [R, k+1], logprobs [R, k+1], ranks [R]).
+    ``plain``: no row wants logprobs or has a grammar: the mask is skipped and the
+    logprob outputs are placeholders ([R, 1] ids = sampled, logprobs 0, ranks 1)."""
+    if plain:
+        raw, logits = logits, apply_min_tokens(logits, md)
+        if use_penalties:
+            logits = apply_penalties(logits, md)
+    else:
+        raw, logits = process_logits(logits, md, use_penalties=use_penalties)
     greedy_tokens = fast_argmax(logits)
     if greedy_only:
         sampled = greedy_tokens
@@ -157,5 +165,7 @@ def sample(logits, md: SamplingMetadata, *, greedy_only: bool, use_penalties: bo
         u = uniform_per_row(md.seeds, md.output_pos)
         random_tokens = inverse_cdf_draw(jax.nn.softmax(tempered, axis=-1), u)
         sampled = jnp.where(is_greedy, greedy_tokens, random_tokens)
+    if plain:
+        return sampled, sampled[:, None], jnp.zeros((len(sampled), 1), jnp.float32), jnp.ones_like(sampled)
     ids, lps, ranks = compute_logprobs(raw, sampled, num_logprobs)
     return sampled, ids, lps, ranks

@@ -198,3 +198,30 @@ def test_grammar_bitmask_masks_before_everything(greedy):
         # Top logprobs of row 1: the one allowed token at 0.0, the rest -inf.
         assert lps[1, 0] == 0.0 and np.isneginf(lps[1, 2:]).all()
         assert set(ids[0, 1:4].tolist()) == set(allowed[0])
+
+
+def test_plain_variant_samples_the_same_tokens():
+    """The plain sampler (no row wants logprobs, none has a grammar) skips the grammar
+    mask and the logprobs but draws exactly the tokens of the full one: greedy, seeded
+    random with top-k / top-p, min_tokens bans and penalties alike."""
+    from jaxserve.runner.input_batch import CachedRequestState, InputBatch
+    from jaxserve.sampling_params import SamplingParams
+
+    r, v = 6, 300
+    ib = InputBatch(r, 32, 2, v)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3, top_k=20),
+              SamplingParams(temperature=1.0, seed=4, top_p=0.7), SamplingParams(temperature=0, min_tokens=2,
+                                                                                stop_token_ids=[5]),
+              SamplingParams(temperature=0.5, seed=9, repetition_penalty=1.3, presence_penalty=0.5),
+              SamplingParams(temperature=0)]
+    for i, sp in enumerate(params):
+        ib.add_request(CachedRequestState(str(i), [1, 5, 7, 9], sp, sp.seed or 0), 0, ([],))
+    rows = np.arange(r)
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((r, v)) * 3, jnp.float32)
+    for pen in (False, True):
+        md = ib.make_sampling_metadata(rows, use_penalties=pen)
+        for greedy in (True, False):
+            full = sample(logits, md, greedy_only=greedy, use_penalties=pen, num_logprobs=3)
+            plain = sample(logits, md, greedy_only=greedy, use_penalties=pen, num_logprobs=3, plain=True)
+            np.testing.assert_array_equal(np.asarray(plain[0]), np.asarray(full[0]))
+            assert plain[1].shape == (r, 1) and full[1].shape == (r, 4)
