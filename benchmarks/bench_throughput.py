@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, help="int8: weight-only int8 projections")
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--no-compilation-cache", action="store_true", help="measure a cold warm-up")
+    ap.add_argument("--no-scan-layers", action="store_true", help="unroll the decoder layers (scan_layers=False)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     args = ap.parse_args()
 
     from jaxserve import LLM, SamplingParams
@@ -61,7 +63,8 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(str(model_dir), max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, dtype=args.dtype,
-              quantization=args.quantization, compilation_cache=not args.no_compilation_cache)
+              quantization=args.quantization, compilation_cache=not args.no_compilation_cache,
+              scan_layers=not args.no_scan_layers, kv_cache_dtype=args.kv_cache_dtype)
     startup = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": p} for p in token_prompts]
     sp = SamplingParams(temperature=args.temperature, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
@@ -73,7 +76,9 @@ def main() -> None:
     total = prompt_tokens + output_tokens
     print(machine_line())
     print(commit_line())
-    print(f"dtype {args.dtype}, quantization {args.quantization}")
+    print(f"dtype {args.dtype}, quantization {args.quantization}, kv cache {args.kv_cache_dtype}, "
+          f"scan_layers {not args.no_scan_layers}, prompts {len(token_prompts)} of "
+          f"{min(map(len, token_prompts))}-{max(map(len, token_prompts))} tokens, output {args.output_len}")
     print(f"startup (load + warm-up): {startup:.1f} s; warm-up {llm.llm_engine.warmup_seconds:.1f} s, "
           f"{llm.llm_engine.num_compiled_programs} programs")
     print(f"Throughput: {len(outs) / elapsed:.2f} requests/s, {total / elapsed:.2f} total tokens/s, "

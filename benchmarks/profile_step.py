@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kv-cache-gib", type=int, default=4)
     args = ap.parse_args()
 
     import jax
@@ -85,7 +86,8 @@ def main() -> None:
 
     max_b = max(args.batch)
     llm = LLM(args.model, max_model_len=args.prompt_len + 2 * args.steps + 64, max_num_seqs=max_b,
-              max_num_batched_tokens=max(args.max_num_batched_tokens, max_b), dtype=args.dtype)
+              max_num_batched_tokens=max(args.max_num_batched_tokens, max_b), dtype=args.dtype,
+              kv_cache_memory=args.kv_cache_gib << 30)  # every batch size's requests fit at once
     engine = llm.llm_engine
     core = engine.engine_core
     sched, runner = core.schedulers[0], core.model_runner
@@ -155,6 +157,7 @@ def main() -> None:
             engine.step()
         wall = (time.perf_counter() - t0) / args.steps
         timer.active = False
+        assert len(sched.running) == b, f"only {len(sched.running)} of {b} requests run at once"
         t_bucket = max(last_model_args)
         a = last_model_args[t_bucket]
 
