@@ -85,7 +85,10 @@ def main() -> None:
     from jaxserve.runner.program_key import ModelStepKey, SampleKey
 
     max_b = max(args.batch)
-    llm = LLM(args.model, max_model_len=args.prompt_len + 2 * args.steps + 64, max_num_seqs=max_b,
+    # Requests prefilled first decode while the rest prefill: room for that, so that all B
+    # are still running when the timed steps start.
+    max_tokens = args.steps + 8 + -(-max_b * args.prompt_len // args.max_num_batched_tokens)
+    llm = LLM(args.model, max_model_len=args.prompt_len + max_tokens + 16, max_num_seqs=max_b,
               max_num_batched_tokens=max(args.max_num_batched_tokens, max_b), dtype=args.dtype,
               kv_cache_memory=args.kv_cache_gib << 30)  # every batch size's requests fit at once
     engine = llm.llm_engine
@@ -144,7 +147,7 @@ def main() -> None:
           f"{args.steps} decode steps per batch size")
     rows = []
     for b in args.batch:
-        sp = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         for i in range(b):
             engine.add_request(f"b{b}-{i}", {"prompt_token_ids": rng.integers(100, vocab, args.prompt_len).tolist()}, sp)
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
