@@ -199,11 +199,11 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self._seed_rng = np.random.default_rng(mc.seed)
         self.attention_backend, _ = resolve_backend(mc.attention_backend, self.platform)
-        # On CPU the pallas kernels run under the Pallas interpreter (tests, debugging).
         # A float8 cache uses the checkpoint's KV scales (kv_cache_scheme) when it has them.
         self.kv_cache_scales = (self.arch.kv_cache_scales or (1.0, 1.0)) if fp8_cache else (1.0, 1.0)
         if self.arch.kv_cache_scales and not fp8_cache:
             logger.info("The checkpoint's KV cache scales are unused: kv_cache_dtype is not fp8")
+        # On CPU the pallas kernels run under the Pallas interpreter (tests, debugging).
         self._attention = build_attention(mc.attention_backend, self.platform, self.mesh,
                                           interpret=self.platform == "cpu", **attention_settings(self.arch),
                                           k_scale=self.kv_cache_scales[0], v_scale=self.kv_cache_scales[1],
@@ -250,6 +250,7 @@ class ModelRunner:
 
         def verify_step(state, hidden_last, smd, draft_token_ids, num_draft_tokens, *, num_reqs, greedy_only,
                         use_penalties, plain):
+            del plain  # a VerifyKey is never plain: verification keeps its logprobs
             model = nnx.merge(graphdef, state)
             logits = model.compute_logits(per_rank_rows(hidden_last, num_reqs, all_positions=True))
             return rejection_sample(logits, draft_token_ids, num_draft_tokens, smd, greedy_only=greedy_only,
