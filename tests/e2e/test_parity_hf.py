@@ -204,6 +204,21 @@ def test_pallas_backend_in_interpret_mode_matches_reference(tiny_models, arch):
     assert run(llm, ps) == ref
 
 
+def decode_holding(llm, prompt, max_tokens):
+    """Decode one greedy request alone, step by step: (blocks it holds in each KV cache
+    group after every step, its final output)."""
+    engine, kvm = llm.llm_engine, llm.llm_engine.scheduler.kv_cache_manager
+    engine.add_request("long", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    held, out = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o if o.finished else out
+        if "long" in kvm.req_to_blocks:
+            held.append(tuple(kvm.num_held_blocks("long", g) for g in range(kvm.num_groups)))
+    return held, out
+
+
 def test_sliding_window_frees_blocks_and_matches_hf(tiny_models):
     """Mistral with a 24-token window on every layer: one long request decodes past
     several windows, holds at most window + 2 blocks' worth of KV at any step (the rest
@@ -213,16 +228,10 @@ def test_sliding_window_frees_blocks_and_matches_hf(tiny_models):
     hf = HFReference(path)
     p = prompts(11, [30])[0]
     llm = make_llm(path, num_gpu_blocks_override=12, max_num_batched_tokens=16)  # 11 blocks = 176 tokens
-    engine, kvm = llm.llm_engine, llm.llm_engine.scheduler.kv_cache_manager
+    engine = llm.llm_engine
     assert [g.sliding_window for g in engine.model_runner.kv_cache_layout.groups] == [24]
-    engine.add_request("long", {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
-    held, out = [], None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out = o if o.finished else out
-        if "long" in kvm.req_to_blocks:
-            held.append(kvm.num_held_blocks("long"))
-    assert max(held) <= (24 + 16) // 16 + 2, held
+    held, out = decode_holding(llm, p, 200)
+    assert max(h[0] for h in held) <= (24 + 16) // 16 + 2, held
     ref, margins = hf.greedy(p, 200)
     assert_greedy_match(out.outputs[0].token_ids, ref, margins, "mistral window 24")
 
@@ -236,17 +245,11 @@ def test_gemma_local_layers_free_blocks_and_match_hf(tiny_models):
     hf = HFReference(path)
     p = prompts(12, [30])[0]
     llm = make_llm(path, num_gpu_blocks_override=21, max_num_batched_tokens=16)
-    engine, kvm = llm.llm_engine, llm.llm_engine.scheduler.kv_cache_manager
+    engine = llm.llm_engine
     layout = engine.model_runner.kv_cache_layout
     assert [(g.layers, g.sliding_window) for g in layout.groups] == [((1, 3), None), ((0, 2), 8)]
     assert engine.model_runner.kv_cache.shape[0] == 2  # a block is 2 layers' pages
-    engine.add_request("long", {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
-    held, out = [], None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out = o if o.finished else out
-        if "long" in kvm.req_to_blocks:
-            held.append((kvm.num_held_blocks("long", 0), kvm.num_held_blocks("long", 1)))
+    held, out = decode_holding(llm, p, 200)
     assert max(h[1] for h in held) <= (8 + 16) // 16 + 2, held
     assert max(h[0] for h in held) == cdiv(30 + 199, 16)
     ref, margins = hf.greedy(p, 200)
