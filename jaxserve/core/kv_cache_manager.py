@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from jaxserve.core.block_pool import BlockPool
-from jaxserve.core.kv_cache_groups import KVCacheGroupSpec, KVCacheLayout
+from jaxserve.core.kv_cache_groups import KVCacheLayout
 from jaxserve.core.kv_cache_utils import KVCacheBlock, PrefixCacheStats, cdiv
 
 
@@ -19,17 +19,14 @@ class KVCacheManager:
     W or more positions before the next token to compute is never read again, so it
     goes back to the pool (still hashed, for prefix hits) and the list holds the null
     block in its place. A long request then holds about W / block_size + 1 blocks of
-    such a group, not its context. ``sliding_window`` alone is shorthand for a layout of
-    one sliding group (every layer slides).
+    such a group, not its context. Without a layout: one full-attention group.
     """
 
     def __init__(self, num_gpu_blocks: int, block_size: int, max_model_len: int, enable_caching: bool = True,
-                 sliding_window: int | None = None, layout: KVCacheLayout | None = None) -> None:
+                 layout: KVCacheLayout | None = None) -> None:
         self.block_size = block_size
-        if layout is None:
-            layout = KVCacheLayout((KVCacheGroupSpec((), sliding_window),), 1)
-        self.layout = layout
-        self.windows = tuple(g.sliding_window for g in layout.groups)
+        # Each group's window (None: full attention); the layers themselves are the runner's.
+        self.windows = tuple(g.sliding_window for g in layout.groups) if layout is not None else (None,)
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching)

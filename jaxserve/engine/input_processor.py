@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numbers
 
+from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.runner.input_batch import MAX_MASKED_STOP_IDS
 from jaxserve.sampling_params import SamplingParams
 
@@ -20,7 +21,7 @@ class InputProcessor:
         # tokens -> the most blocks a request of that many KV slots holds at once (its
         # whole context in each full-attention group; the window, one step's tokens and
         # partial blocks in each sliding-window group: KVCacheLayout.blocks_held).
-        self.blocks_held = blocks_held or (lambda n: -(-n // block_size))
+        self.blocks_held = blocks_held or (lambda n: cdiv(n, block_size))
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -94,10 +95,11 @@ class InputProcessor:
         max_tokens = max(max_tokens, 1)
         # The last sampled token is returned, never written to the cache.
         needed = min(prompt_len + max_tokens - 1, self.max_model_len)
-        if self.kv_cache_blocks is not None and self.blocks_held(needed) > self.kv_cache_blocks:
+        blocks = self.blocks_held(needed) if self.kv_cache_blocks is not None else 0
+        if self.kv_cache_blocks is not None and blocks > self.kv_cache_blocks:
             raise ValueError(
                 f"max_tokens: the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) needs {needed} KV cache "
-                f"slots ({self.blocks_held(needed)} blocks), but the whole KV cache holds {self.kv_cache_blocks} "
+                f"slots ({blocks} blocks), but the whole KV cache holds {self.kv_cache_blocks} "
                 f"blocks of {self.block_size} tokens; lower max_tokens or enlarge the cache "
                 "(num_gpu_blocks_override / kv_cache_memory)")
         return params, max_tokens

@@ -134,10 +134,10 @@ def inverse_cdf_draw(weights, u):
     return jnp.minimum(drawn, weights.shape[1] - 1)
 
 
-def process_logits(logits, md: SamplingMetadata, *, use_penalties: bool):
+def process_logits(logits, md: SamplingMetadata, *, use_penalties: bool, grammar: bool = True):
     """The steps before any draw, in vLLM's order -> (raw: grammar-masked logits, whose
     log-softmax the logprobs report; processed: with min_tokens bans and penalties)."""
-    raw = apply_grammar_bitmask(logits, md.allowed_token_bitmask)
+    raw = apply_grammar_bitmask(logits, md.allowed_token_bitmask) if grammar else logits
     logits = apply_min_tokens(raw, md)
     if use_penalties:
         logits = apply_penalties(logits, md)
@@ -149,12 +149,7 @@ def sample(logits, md: SamplingMetadata, *, greedy_only: bool, use_penalties: bo
     """logits: [R, V] f32 -> (sampled [R] int32, logprob ids [R, k+1], logprobs [R, k+1], ranks [R]).
     ``plain``: no row wants logprobs or has a grammar: the mask is skipped and the
     logprob outputs are placeholders ([R, 1] ids = sampled, logprobs 0, ranks 1)."""
-    if plain:
-        raw, logits = logits, apply_min_tokens(logits, md)
-        if use_penalties:
-            logits = apply_penalties(logits, md)
-    else:
-        raw, logits = process_logits(logits, md, use_penalties=use_penalties)
+    raw, logits = process_logits(logits, md, use_penalties=use_penalties, grammar=not plain)
     greedy_tokens = fast_argmax(logits)
     if greedy_only:
         sampled = greedy_tokens

@@ -11,7 +11,7 @@ from jaxserve.core.sched.scheduler import Scheduler
 
 
 def test_blocks_behind_the_window_are_freed_and_stay_cached():
-    m = KVCacheManager(11, 16, 8192, enable_caching=True, sliding_window=20)
+    m = KVCacheManager(11, 16, 8192, enable_caching=True, layout=make_kv_cache_layout(1, 20))
     r = make_request("0", 64)
     m.allocate_slots(r, 64)
     r.num_computed_tokens = 64
@@ -33,13 +33,13 @@ def test_blocks_behind_the_window_are_freed_and_stay_cached():
 def test_window_boundary_is_exact():
     """The token at position p reads keys p - W + 1 .. p: a block is freed only once its
     last token is before that."""
-    m = KVCacheManager(11, 16, 8192, enable_caching=False, sliding_window=17)
+    m = KVCacheManager(11, 16, 8192, enable_caching=False, layout=make_kv_cache_layout(1, 17))
     r = make_request("0", 32, hasher=False)
     m.allocate_slots(r, 32)
     r.num_computed_tokens = 32  # next token 32 sees 16..32: block 0 (0..15) is behind
     m.allocate_slots(r, 1)
     assert [b.is_null for b in m.req_to_blocks["0"][0]] == [True, False, False]
-    m2 = KVCacheManager(11, 16, 8192, enable_caching=False, sliding_window=18)
+    m2 = KVCacheManager(11, 16, 8192, enable_caching=False, layout=make_kv_cache_layout(1, 18))
     r2 = make_request("1", 32, hasher=False)
     m2.allocate_slots(r2, 32)
     r2.num_computed_tokens = 32  # 15..32: token 15 of block 0 is still needed
@@ -52,7 +52,7 @@ def test_long_decode_holds_bounded_blocks():
     request could not even fit; with a window of 32 it holds at most 4 blocks."""
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=4, max_model_len=1024),
                       CacheConfig(block_size=16, enable_prefix_caching=True), 11, check_invariants=True,
-                      sliding_window=32)
+                      kv_cache_layout=make_kv_cache_layout(1, 32))
     sched.add_request(make_request("0", 40, max_tokens=200, ignore_eos=True))
     held = []
     while sched.requests:

@@ -100,14 +100,12 @@ class Scheduler:
         structured_output_manager: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
         token_bucket=None,
-        sliding_window: int | None = None,
         kv_cache_layout: KVCacheLayout | None = None,
     ) -> None:
         """token_bucket: the runner's padded token count for a count (speculative
         decoding weighs drafts by the measured time of the bucket they lead to).
-        sliding_window: every layer of the model attends to this many tokens at most, so
-        blocks behind the window are given back (KVCacheManager). kv_cache_layout: the
-        runner's KV cache groups (Gemma's local and global layers), instead."""
+        kv_cache_layout: the runner's KV cache groups; blocks behind a sliding-window
+        group's window are given back (KVCacheManager). None: one full-attention group."""
         self.scheduler_config = scheduler_config
         self.speculative_config = speculative_config
         self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
@@ -128,7 +126,6 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks, self.block_size, self.max_model_len, cache_config.enable_prefix_caching,
-            sliding_window=sliding_window,
             layout=kv_cache_layout,
         )
         # Hashes are only needed with prefix caching; computing them is not free.
