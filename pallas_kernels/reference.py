@@ -7,9 +7,22 @@ KV cache layout, per layer: ``kv_cache[P, S, 2K, H]`` with K and V interleaved o
 axis 2 (row 2h is K of kv head h, row 2h+1 its V). Page 0 is the null page: padded
 tokens write there and nothing valid reads it.
 
-The loop over pages has a *dynamic* trip count (the longest kv_len in the step), so
-the cost follows the real context length while the compiled shape stays fixed: a
-decode step over short sequences does not pay for ``max_model_len``.
+Each query's keys fall in two parts, attended separately and merged by their
+log-sum-exp (vLLM's ``merge_attn_states``, as in its cascade attention):
+
+- **this step's tokens** (positions >= kv_len - q_len of the request): the step's T
+  tokens are cut into tiles of consecutive tokens, and tile i attends to tiles i, i-1,
+  ... back to the tile where its first token's request starts. One gather of T cache
+  rows serves every query; no page is gathered once per query block. A fresh prefill
+  is only this part.
+- **the cached prefix** (positions < kv_len - q_len): queries in blocks of one
+  request's consecutive tokens, each block gathering its request's pages chunk by
+  chunk. Blocks without a prefix (fresh prefills) are sorted last and skipped, so the
+  cost follows the blocks that have one: decode rows, continued chunks, prefix hits.
+
+Both loops have *dynamic* trip counts (the longest run of tiles, the longest prefix),
+so the cost follows the real lengths while the compiled shape stays fixed: a decode
+step over short sequences does not pay for ``max_model_len``.
 """
 from __future__ import annotations
 
@@ -18,15 +31,21 @@ import jax.numpy as jnp
 
 from pallas_kernels.inputs import to_cache_dtype
 
-# Pages gathered per loop iteration, at most: enough work per iteration to hide the
-# loop overhead on CPU, small enough that a short context does not waste much.
+# Prefix part: pages gathered per loop iteration, at most: enough work per iteration to
+# hide the loop overhead on CPU, small enough that a short context does not waste much.
 _PAGES_PER_CHUNK = 8
-# ...and, for decode batches, fewer when the whole batch's gathered pages would outgrow
-# the CPU caches. On
-# the 2-core CI VM (SmolLM2 heads, decode of 64 requests, 192-token context) one layer
-# took 7.4 ms with 8 pages per iteration (12.6 MB gathered), 3.4 ms with 2 (3.1 MB),
-# 5.6 ms with 1; a single request was fastest with 8.
+# ...and fewer when a group's gathered pages would outgrow the CPU caches. On the 2-core
+# CI VM (SmolLM2 heads, decode of 64 requests, 192-token context) one layer took 7.4 ms
+# with 8 pages per iteration (12.6 MB gathered), 3.4 ms with 2 (3.1 MB), 5.6 ms with 1;
+# a single request was fastest with 8.
 _CHUNK_BYTES = 4 << 20
+# Prefix part: queries per block in batches with more tokens than requests (decode-sized
+# batches use blocks of one token), and blocks per group.
+_Q_BLOCK = 16
+_GROUP_BLOCKS = 8
+# This step's tokens: tokens per tile, and tiles per group.
+_TILE = 32
+_GROUP_TILES = 16
 
 
 def pages_per_chunk(num_blocks: int, page_size: int, two_k: int, head_dim: int, pmax: int) -> int:
@@ -37,8 +56,6 @@ def pages_per_chunk(num_blocks: int, page_size: int, two_k: int, head_dim: int, 
     while chunk * 2 <= min(_PAGES_PER_CHUNK, pmax) and chunk * 2 * per_page <= _CHUNK_BYTES:
         chunk *= 2
     return chunk
-# Queries per block in batches with more tokens than requests (see ragged_paged_attention).
-_Q_BLOCK = 16
 
 
 def write_kv_cache(kv_cache, k, v, slot_mapping, *, layer=None):
@@ -95,88 +112,224 @@ def ragged_paged_attention(
     Returns o: [T, N, H] in q's dtype; padded tokens get zeros.
     """
     t, n, h = q.shape
-    page_size, two_k, _ = kv_cache.shape[-3:]
-    k_heads = two_k // 2
-    groups = n // k_heads
-    r, pmax = page_indices.shape
+    k_heads = kv_cache.shape[-2] // 2
+    r = page_indices.shape[0]
 
     req = token_request_index(cu_q_lens, num_seqs, t)  # [T]
     valid_tok = req < num_seqs
     req_c = jnp.minimum(req, r - 1)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    prefix_lens = jnp.where(jnp.arange(r) < num_seqs, kv_lens - q_lens, 0)  # keys cached before this step
     offset = jnp.arange(t) - cu_q_lens[req_c]  # index of the token within its request
-    tok_pos = jnp.where(valid_tok, kv_lens[req_c] - q_lens[req_c] + offset, -1).astype(jnp.int32)
+    tok_pos = jnp.where(valid_tok, prefix_lens[req_c] + offset, -1).astype(jnp.int32)
+    qs = (q.astype(jnp.float32) * sm_scale).reshape(t, k_heads, n // k_heads, h)
 
-    # Query blocks: consecutive tokens of one request share one gather of that
-    # request's pages. Decode-sized batches use blocks of 1 (one token per request
-    # anyway); larger ones blocks of _Q_BLOCK, so a prefill does not gather its
-    # context once per token. At most one partial block per request: nb is static.
-    bq = 1 if t <= r else _Q_BLOCK
+    kw = dict(sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)
+    m1, l1, acc1 = _attend_step_tokens(qs, kv_cache, page_indices, cu_q_lens, req, req_c, valid_tok, tok_pos, **kw)
+    # The prefix part in two passes: requests with a few queries (decode rows) in blocks
+    # of one token, longer ones (continued chunks, prefix hits) in blocks of _Q_BLOCK so
+    # that their pages are not gathered once per token. Every token is in one pass.
+    short = q_lens[req_c] < _Q_BLOCK
+    m2, l2, acc2 = _attend_prefix(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, req_c,
+                                  valid_tok & short, tok_pos, bq=1, **kw)
+    if t >= _Q_BLOCK:  # else no request has _Q_BLOCK queries
+        long = _attend_prefix(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, req_c,
+                              valid_tok & ~short, tok_pos, bq=_Q_BLOCK, **kw)
+        m2, l2, acc2 = (jnp.where(jnp.reshape(short, (t,) + (1,) * (a.ndim - 1)), a, b)
+                        for a, b in zip((m2, l2, acc2), long))
+    # Merge the two parts by their running maxima (vLLM's merge_attn_states).
+    m = jnp.maximum(m1, m2)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    a1 = jnp.where(jnp.isfinite(m1), jnp.exp(m1 - m_safe), 0.0)
+    a2 = jnp.where(jnp.isfinite(m2), jnp.exp(m2 - m_safe), 0.0)
+    l = a1 * l1 + a2 * l2
+    acc = a1[..., None] * acc1 + a2[..., None] * acc2
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)  # [T, K, G, H]
+    return out.reshape(t, n, h).astype(q.dtype)
+
+
+def _read_kv(kv_cache, layer, pages, offsets=None):
+    """Cache rows as f32, straight from the (stacked) cache: whole pages [..., S, 2K, H],
+    or single slots [..., 2K, H] with ``offsets``."""
+    idx = (pages,) if offsets is None else (pages, offsets)
+    return (kv_cache[idx] if layer is None else kv_cache[(layer, *idx)]).astype(jnp.float32)
+
+
+def _softmax_update(carry, s, mask, attend_values):
+    """One online-softmax step. carry (m, l, acc): [..., Q], [..., Q], [..., Q, H];
+    s: scores [..., Q, L] (ignored where ~mask); attend_values(p) -> [..., Q, H]."""
+    m, l, acc = carry
+    s = jnp.where(mask, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+    alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+    return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + attend_values(p)
+
+
+def _per_token(x, num_tokens):
+    """[B, K, G, Q, ...] (blocks of Q consecutive tokens) -> [B*Q, K, G, ...][:num_tokens]."""
+    x = jnp.moveaxis(x, 3, 1)
+    return x.reshape((-1,) + x.shape[2:])[:num_tokens]
+
+
+def _attend_step_tokens(qs, kv_cache, page_indices, cu_q_lens, req, req_c, valid_tok, tok_pos, *, sliding_window,
+                        soft_cap, layer):
+    """Attention of every query to the keys its request wrote in this step, up to its
+    own position. qs: [T, K, G, H] (scaled). Returns per token (m, l, acc):
+    [T, K, G], [T, K, G], [T, K, G, H]."""
+    t, k_heads, groups, h = qs.shape
+    page_size = kv_cache.shape[-3]
+    # Every token's own K/V, read back from the cache (so an 8-bit cache rounds them as
+    # the prefix part sees them): one gather of T rows.
+    pos0 = jnp.maximum(tok_pos, 0)
+    pages = jnp.where(valid_tok, page_indices[req_c, pos0 // page_size], 0)
+    kv = _read_kv(kv_cache, layer, pages, pos0 % page_size).reshape(t, k_heads, 2, h)
+    kv = jnp.where(valid_tok[:, None, None, None], kv, 0.0)  # padded tokens' slots may hold NaN
+
+    bt = min(_TILE, t)
+    nt = -(-t // bt)
+
+    def tiles(x, fill):
+        x = jnp.pad(x, ((0, nt * bt - t),) + ((0, 0),) * (x.ndim - 1), constant_values=fill)
+        return x.reshape((nt, bt) + x.shape[1:])
+
+    # Tiles first: [NT, K, G*Bt, H] queries, [NT, K, Bt, H] keys, [NT, K, H, Bt] values;
+    # one more tile of padding (index nt) that matches no query and no key.
+    q_t = jnp.moveaxis(tiles(qs, 0.0), 1, 3).reshape(nt, k_heads, groups * bt, h)
+    k_t = jnp.moveaxis(tiles(kv[:, :, 0], 0.0), 1, 2)
+    v_t = jnp.moveaxis(tiles(kv[:, :, 1], 0.0), 1, 3)
+    k_t, v_t = (jnp.concatenate([x, jnp.zeros_like(x[:1])]) for x in (k_t, v_t))
+    pos_t = tiles(tok_pos, -1)  # [NT, Bt]
+    qreq_t = tiles(jnp.where(valid_tok, req, -1), -1)
+    kreq_t = jnp.concatenate([tiles(jnp.where(valid_tok, req, -2), -2), jnp.full((1, bt), -2, jnp.int32)])
+    # Tile i reaches back to the tile where its first token's request starts (and no
+    # further than a sliding window looks).
+    tile_ids = jnp.arange(nt)
+    reach = tile_ids - cu_q_lens[req_c[tile_ids * bt]] // bt + 1
+    if sliding_window is not None:
+        reach = jnp.minimum(reach, (sliding_window + bt - 2) // bt + 1)
+    reach = jnp.where(qreq_t[:, 0] >= 0, reach, 0)
+
+    # Tiles by reach, longest first, in groups of gt: each group loops to its own reach,
+    # and the group loop ends with the last group that has a query.
+    gt = min(nt, _GROUP_TILES)
+    ng = -(-nt // gt)
+    order = jnp.pad(jnp.argsort(-reach, stable=True), (0, ng * gt - nt), constant_values=nt)
+    reach = jnp.concatenate([reach, jnp.zeros((1,), reach.dtype)])
+    num_groups = (jnp.sum(reach > 0) + gt - 1) // gt
+
+    def group(g, out):
+        tid = jax.lax.dynamic_slice_in_dim(order, g * gt, gt)  # [Gt]
+        q_pos = pos_t.at[tid].get(mode="fill", fill_value=-1)  # [Gt, Bt]
+        q_req = qreq_t.at[tid].get(mode="fill", fill_value=-1)
+        qg = q_t.at[tid].get(mode="fill", fill_value=0.0)
+
+        def body(j, carry):
+            src = jnp.where(tid - j >= 0, tid - j, nt)  # the key tile each query tile reads
+            kpos = pos_t.at[src].get(mode="fill", fill_value=-1)[:, None, :]
+            mask = (q_req[:, :, None] == kreq_t[src][:, None, :]) & (kpos <= q_pos[:, :, None])
+            if sliding_window is not None:
+                mask &= kpos > q_pos[:, :, None] - sliding_window
+            s = jnp.einsum("ikqh,iklh->ikql", qg, k_t[src])  # [Gt, K, G*Bt, Bt]
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            values = v_t[src]  # [Gt, K, H, Bt]
+            mask = jnp.broadcast_to(mask[:, None, None], (gt, 1, groups, bt, bt)).reshape(gt, 1, groups * bt, bt)
+            return _softmax_update(carry, s, mask, lambda p: jnp.einsum("ikql,ikhl->ikqh", p, values))
+
+        init = (jnp.full((gt, k_heads, groups * bt), -jnp.inf, jnp.float32),
+                jnp.zeros((gt, k_heads, groups * bt), jnp.float32),
+                jnp.zeros((gt, k_heads, groups * bt, h), jnp.float32))
+        res = jax.lax.fori_loop(0, jnp.max(reach[tid]), body, init)
+        return tuple(o.at[tid].set(x, mode="drop") for o, x in zip(out, res))
+
+    init = (jnp.full((nt, k_heads, groups * bt), -jnp.inf, jnp.float32),
+            jnp.zeros((nt, k_heads, groups * bt), jnp.float32), jnp.zeros((nt, k_heads, groups * bt, h), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, num_groups, group, init)
+    unfold = lambda x: x.reshape((nt, k_heads, groups, bt) + x.shape[3:])
+    return _per_token(unfold(m), t), _per_token(unfold(l), t), _per_token(unfold(acc), t)
+
+
+def _attend_prefix(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, req_c, selected, tok_pos, *, bq,
+                   sliding_window, soft_cap, layer):
+    """Attention of the ``selected`` queries to their requests' keys cached before this
+    step, page by page, in blocks of ``bq`` consecutive tokens of one request (every
+    token of a selected request must be selected). Returns per token (m, l, acc) as
+    _attend_step_tokens (m = -inf and l = 0 for a query without a prefix or not selected)."""
+    t, k_heads, groups, h = qs.shape
+    page_size = kv_cache.shape[-3]
+    r, pmax = page_indices.shape
+    offset = jnp.arange(t) - cu_q_lens[req_c]
+
+    # Query blocks: consecutive tokens of one request share one gather of that request's
+    # pages. At most one partial block per request: nb is static.
     nb = t if bq == 1 else t // bq + r
     if bq == 1:
         tok_idx = jnp.arange(t)[:, None]  # [NB, 1]
         blk_req = req_c
     else:
-        row_valid = jnp.arange(r) < num_seqs
-        nblk = jnp.where(row_valid, (q_lens + bq - 1) // bq, 0)
+        q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+        nblk = jnp.where(jnp.arange(r) < num_seqs, (q_lens + bq - 1) // bq, 0)
         blk_start = jnp.cumsum(nblk) - nblk
-        bid = jnp.where(valid_tok, blk_start[req_c] + offset // bq, nb)  # nb: dropped
+        bid = jnp.where(selected, blk_start[req_c] + offset // bq, nb)  # nb: dropped
         tok_idx = jnp.full((nb, bq), t, jnp.int32).at[bid, offset % bq].set(jnp.arange(t, dtype=jnp.int32),
                                                                            mode="drop")
         blk_req = jnp.zeros((nb,), jnp.int32).at[bid].set(req_c, mode="drop")
+    tok_pos = jnp.where(selected, tok_pos, -1)
     pos_b = jnp.concatenate([tok_pos, jnp.full((1,), -1, jnp.int32)])[tok_idx]  # [NB, Bq]; -1 = no query
-    blk_kv_len = jnp.where(pos_b[:, 0] >= 0, kv_lens[blk_req], 0)
+    blk_prefix = jnp.where(pos_b[:, 0] >= 0, prefix_lens[blk_req], 0)
 
-    # Decode-shaped batches only: with query blocks of 16 each iteration also rewrites a
-    # 16x larger running output, and small chunks made a 2048-token prefill ~2x slower.
-    chunk = pages_per_chunk(nb, page_size, two_k, h, pmax) if bq == 1 else min(_PAGES_PER_CHUNK, pmax)
-    pad = (-pmax) % chunk
-    blk_pages = jnp.pad(page_indices, ((0, 0), (0, pad)))[blk_req]  # [NB, Pmax']
+    # Blocks by prefix length, longest first, in groups of gb: each group's page loop
+    # stops at its own longest prefix (not the batch's), and the group loop ends with the
+    # last group that has a prefix at all. Padding blocks have no prefix and no tokens
+    # (token index t: dropped).
+    gb = min(nb, _GROUP_BLOCKS)
+    ng = -(-nb // gb)
+    order = jnp.argsort(-blk_prefix, stable=True)
+    pad = lambda x, fill: jnp.pad(x[order], ((0, ng * gb - nb),) + ((0, 0),) * (x.ndim - 1), constant_values=fill)
+    tok_idx, pos_b, blk_prefix, blk_req = pad(tok_idx, t), pad(pos_b, -1), pad(blk_prefix, 0), pad(blk_req, 0)
+    num_groups = (jnp.sum(blk_prefix > 0) + gb - 1) // gb
+
+    chunk = pages_per_chunk(gb, page_size, kv_cache.shape[-2], h, pmax)
+    page_tab = jnp.pad(page_indices, ((0, 0), (0, (-pmax) % chunk)))
     chunk_tokens = chunk * page_size
+    q_pad = jnp.concatenate([qs, jnp.zeros((1, k_heads, groups, h), jnp.float32)])
 
-    q_pad = jnp.concatenate([q.astype(jnp.float32) * sm_scale, jnp.zeros((1, n, h), jnp.float32)])
-    qb = q_pad[tok_idx].reshape(nb, bq, k_heads, groups, h)
-    max_len = jnp.max(jnp.where(jnp.arange(r) < num_seqs, kv_lens, 0))
-    num_chunks = (max_len + chunk_tokens - 1) // chunk_tokens
+    def group(g, out):
+        take = lambda x: jax.lax.dynamic_slice_in_dim(x, g * gb, gb, axis=0)
+        g_tok, g_pos, g_prefix = take(tok_idx), take(pos_b), take(blk_prefix)
+        g_pages = page_tab[take(blk_req)]  # [Gb, Pmax']
+        qb = q_pad[g_tok]  # [Gb, Bq, K, G, H]
 
-    def body(c, carry):
-        m, l, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(blk_pages, c * chunk, chunk, axis=1)  # [NB, C]
-        kv = (kv_cache[pages] if layer is None else kv_cache[layer, pages]).astype(jnp.float32)  # [NB, C, S, 2K, H]
-        kv = kv.reshape(nb, chunk_tokens, k_heads, 2, h)
-        keys, values = kv[..., 0, :], kv[..., 1, :]  # [NB, L, K, H]
-        kpos = c * chunk_tokens + jnp.arange(chunk_tokens)  # [L]
-        in_ctx = kpos[None, :] < blk_kv_len[:, None]  # [NB, L]
-        if sliding_window is not None:
-            # Pages behind every query's window may already belong to another request
-            # (the scheduler gives them back): never let their contents into a product.
-            in_ctx &= kpos[None, :] > pos_b[:, :1] - sliding_window
-        # Unused page slots may hold anything (NaN included): zero them before any product.
-        keys = jnp.where(in_ctx[:, :, None, None], keys, 0.0)
-        values = jnp.where(in_ctx[:, :, None, None], values, 0.0)
-        s = jnp.einsum("bqkgh,blkh->bkgql", qb, keys)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = in_ctx[:, None, :] & (kpos[None, None, :] <= pos_b[:, :, None])  # [NB, Bq, L]
-        if sliding_window is not None:
-            mask &= kpos[None, None, :] > pos_b[:, :, None] - sliding_window
-        mask = mask[:, None, None, :, :]  # [NB, 1, 1, Bq, L]
-        s = jnp.where(mask, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
-        alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
-        l_new = alpha * l + jnp.sum(p, axis=-1)
-        acc_new = alpha[..., None] * acc + jnp.einsum("bkgql,blkh->bkgqh", p, values)
-        return m_new, l_new, acc_new
+        def body(c, carry):
+            pages = jax.lax.dynamic_slice_in_dim(g_pages, c * chunk, chunk, axis=1)  # [Gb, C]
+            kv = _read_kv(kv_cache, layer, pages).reshape(gb, chunk_tokens, k_heads, 2, h)
+            kpos = c * chunk_tokens + jnp.arange(chunk_tokens)  # [L]
+            in_ctx = kpos[None, :] < g_prefix[:, None]  # [Gb, L]
+            if sliding_window is not None:
+                # Pages behind every query's window may already belong to another request
+                # (the scheduler gives them back): never let their contents into a product.
+                in_ctx &= kpos[None, :] > g_pos[:, :1] - sliding_window
+            # Unused page slots may hold anything (NaN included): zero them before any product.
+            kv = jnp.where(in_ctx[:, :, None, None, None], kv, 0.0)
+            keys, values = kv[..., 0, :], kv[..., 1, :]  # [Gb, L, K, H]
+            s = jnp.einsum("bqkgh,blkh->bkgql", qb, keys)
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            mask = jnp.broadcast_to(in_ctx[:, None, :], g_pos.shape + in_ctx.shape[-1:])  # prefix keys precede every query
+            if sliding_window is not None:
+                mask = mask & (kpos[None, None, :] > g_pos[:, :, None] - sliding_window)
+            return _softmax_update(carry, s, mask[:, None, None],
+                                   lambda p: jnp.einsum("bkgql,blkh->bkgqh", p, values))
 
-    init = (
-        jnp.full((nb, k_heads, groups, bq), -jnp.inf, jnp.float32),
-        jnp.zeros((nb, k_heads, groups, bq), jnp.float32),
-        jnp.zeros((nb, k_heads, groups, bq, h), jnp.float32),
-    )
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
-    out_b = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)  # [NB, K, G, Bq, H]
-    out_b = out_b.transpose(0, 3, 1, 2, 4).reshape(nb * bq, n, h)
-    out = jnp.zeros((t + 1, n, h), jnp.float32).at[tok_idx.reshape(-1)].set(out_b, mode="drop")[:t]
-    return out.reshape(t, n, h).astype(q.dtype)
+        init = (jnp.full((gb, k_heads, groups, bq), -jnp.inf, jnp.float32),
+                jnp.zeros((gb, k_heads, groups, bq), jnp.float32), jnp.zeros((gb, k_heads, groups, bq, h), jnp.float32))
+        num_chunks = (jnp.max(g_prefix) + chunk_tokens - 1) // chunk_tokens
+        res = jax.lax.fori_loop(0, num_chunks, body, init)
+        idx = g_tok.reshape(-1)
+        return tuple(o.at[idx].set(_per_token(x, gb * bq), mode="drop") for o, x in zip(out, res))
+
+    init = (jnp.full((t, k_heads, groups), -jnp.inf, jnp.float32), jnp.zeros((t, k_heads, groups), jnp.float32),
+            jnp.zeros((t, k_heads, groups, h), jnp.float32))
+    return jax.lax.fori_loop(0, num_groups, group, init)

@@ -71,3 +71,14 @@ def test_pages_per_chunk():
     assert reference.pages_per_chunk(1, 16, 6, 64, pmax=128) == 8  # capped at _PAGES_PER_CHUNK
     assert reference.pages_per_chunk(1, 16, 6, 64, pmax=3) == 2  # and at the table width
     assert reference.pages_per_chunk(512, 16, 16, 128, pmax=128) == 1  # never below one page
+
+
+@pytest.mark.parametrize("window", [None, 10])
+def test_reference_long_steps_many_tiles_and_groups(window):
+    """More tiles than one group holds (tiles of this step's tokens) and more blocks than
+    one group (prefix blocks); a window shorter than a tile run: the reach bound."""
+    seqs = [(600, 600), (1, 50), (40, 300), (1, 1), (70, 90)] + [(1, 20 + 7 * i) for i in range(12)]
+    b = make_batch(seqs, num_heads=4, num_kv_heads=2, head_dim=32, page_size=16)
+    kw = dict(sm_scale=32**-0.5, sliding_window=window)
+    out = np.asarray(reference_attention(*b.args(), **kw))
+    np.testing.assert_allclose(out, naive_attention(b, **kw), atol=2e-6, rtol=1e-5)
