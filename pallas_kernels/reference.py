@@ -125,27 +125,37 @@ def ragged_paged_attention(
     qs = (q.astype(jnp.float32) * sm_scale).reshape(t, k_heads, n // k_heads, h)
 
     kw = dict(sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)
+    if t <= r:
+        # Decode-sized steps (no more tokens than rows): one pass over the pages, each
+        # token its own block, up to its own position. Splitting off this step's tokens
+        # pays when requests have many queries; one pass compiles in about a quarter of
+        # the time (1.0 against 4.2 s per program on the CI VM).
+        _, l, acc = _attend_paged(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, req_c, valid_tok,
+                                  tok_pos, bq=1, through_own=True, **kw)
+        return _normalize(l, acc).reshape(t, n, h).astype(q.dtype)
+
     m1, l1, acc1 = _attend_step_tokens(qs, kv_cache, page_indices, cu_q_lens, req, req_c, valid_tok, tok_pos, **kw)
     # The prefix part in two passes: requests with a few queries (decode rows) in blocks
     # of one token, longer ones (continued chunks, prefix hits) in blocks of _Q_BLOCK so
     # that their pages are not gathered once per token. Every token is in one pass.
     short = q_lens[req_c] < _Q_BLOCK
-    m2, l2, acc2 = _attend_prefix(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, req_c,
-                                  valid_tok & short, tok_pos, bq=1, **kw)
-    if t >= _Q_BLOCK:  # else no request has _Q_BLOCK queries
-        long = _attend_prefix(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, req_c,
-                              valid_tok & ~short, tok_pos, bq=_Q_BLOCK, **kw)
-        m2, l2, acc2 = (jnp.where(jnp.reshape(short, (t,) + (1,) * (a.ndim - 1)), a, b)
-                        for a, b in zip((m2, l2, acc2), long))
+    m2, l2, acc2 = _attend_paged(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, req_c,
+                                 valid_tok & short, tok_pos, bq=1, **kw)
+    long = _attend_paged(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, req_c, valid_tok & ~short,
+                         tok_pos, bq=_Q_BLOCK, **kw)
+    m2, l2, acc2 = (jnp.where(jnp.reshape(short, (t,) + (1,) * (a.ndim - 1)), a, b) for a, b in zip((m2, l2, acc2), long))
     # Merge the two parts by their running maxima (vLLM's merge_attn_states).
     m = jnp.maximum(m1, m2)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     a1 = jnp.where(jnp.isfinite(m1), jnp.exp(m1 - m_safe), 0.0)
     a2 = jnp.where(jnp.isfinite(m2), jnp.exp(m2 - m_safe), 0.0)
-    l = a1 * l1 + a2 * l2
-    acc = a1[..., None] * acc1 + a2[..., None] * acc2
-    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)  # [T, K, G, H]
-    return out.reshape(t, n, h).astype(q.dtype)
+    acc = _normalize(a1 * l1 + a2 * l2, a1[..., None] * acc1 + a2[..., None] * acc2)
+    return acc.reshape(t, n, h).astype(q.dtype)
+
+
+def _normalize(l, acc):
+    """Softmax-weighted sums acc [..., H] / their weights l [...]; 0 where nothing was attended."""
+    return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
 
 
 def _read_kv(kv_cache, layer, pages, offsets=None):
@@ -251,12 +261,14 @@ def _attend_step_tokens(qs, kv_cache, page_indices, cu_q_lens, req, req_c, valid
     return _per_token(unfold(m), t), _per_token(unfold(l), t), _per_token(unfold(acc), t)
 
 
-def _attend_prefix(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, req_c, selected, tok_pos, *, bq,
-                   sliding_window, soft_cap, layer):
+def _attend_paged(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, req_c, selected, tok_pos, *, bq,
+                  sliding_window, soft_cap, layer, through_own=False):
     """Attention of the ``selected`` queries to their requests' keys cached before this
-    step, page by page, in blocks of ``bq`` consecutive tokens of one request (every
-    token of a selected request must be selected). Returns per token (m, l, acc) as
-    _attend_step_tokens (m = -inf and l = 0 for a query without a prefix or not selected)."""
+    step (``through_own``: up to each query's own position, this step's keys included),
+    page by page, in blocks of ``bq`` consecutive tokens of one request (every token of a
+    selected request must be selected). Returns per token (m, l, acc) as
+    _attend_step_tokens (m = -inf and l = 0 for a query with nothing to attend or not
+    selected)."""
     t, k_heads, groups, h = qs.shape
     page_size = kv_cache.shape[-3]
     r, pmax = page_indices.shape
@@ -278,18 +290,20 @@ def _attend_prefix(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens,
         blk_req = jnp.zeros((nb,), jnp.int32).at[bid].set(req_c, mode="drop")
     tok_pos = jnp.where(selected, tok_pos, -1)
     pos_b = jnp.concatenate([tok_pos, jnp.full((1,), -1, jnp.int32)])[tok_idx]  # [NB, Bq]; -1 = no query
-    blk_prefix = jnp.where(pos_b[:, 0] >= 0, prefix_lens[blk_req], 0)
+    # Keys each block reads: positions < its bound.
+    bound = jnp.max(pos_b, axis=1) + 1 if through_own else prefix_lens[blk_req]
+    blk_bound = jnp.where(pos_b[:, 0] >= 0, bound, 0)
 
-    # Blocks by prefix length, longest first, in groups of gb: each group's page loop
-    # stops at its own longest prefix (not the batch's), and the group loop ends with the
-    # last group that has a prefix at all. Padding blocks have no prefix and no tokens
+    # Blocks by bound, longest first, in groups of gb: each group's page loop
+    # stops at its own longest (not the batch's), and the group loop ends with the
+    # last group that reads a key at all. Padding blocks read none and have no tokens
     # (token index t: dropped).
     gb = min(nb, _GROUP_BLOCKS)
     ng = -(-nb // gb)
-    order = jnp.argsort(-blk_prefix, stable=True)
+    order = jnp.argsort(-blk_bound, stable=True)
     pad = lambda x, fill: jnp.pad(x[order], ((0, ng * gb - nb),) + ((0, 0),) * (x.ndim - 1), constant_values=fill)
-    tok_idx, pos_b, blk_prefix, blk_req = pad(tok_idx, t), pad(pos_b, -1), pad(blk_prefix, 0), pad(blk_req, 0)
-    num_groups = (jnp.sum(blk_prefix > 0) + gb - 1) // gb
+    tok_idx, pos_b, blk_bound, blk_req = pad(tok_idx, t), pad(pos_b, -1), pad(blk_bound, 0), pad(blk_req, 0)
+    num_groups = (jnp.sum(blk_bound > 0) + gb - 1) // gb
 
     chunk = pages_per_chunk(gb, page_size, kv_cache.shape[-2], h, pmax)
     page_tab = jnp.pad(page_indices, ((0, 0), (0, (-pmax) % chunk)))
@@ -298,7 +312,7 @@ def _attend_prefix(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens,
 
     def group(g, out):
         take = lambda x: jax.lax.dynamic_slice_in_dim(x, g * gb, gb, axis=0)
-        g_tok, g_pos, g_prefix = take(tok_idx), take(pos_b), take(blk_prefix)
+        g_tok, g_pos, g_bound = take(tok_idx), take(pos_b), take(blk_bound)
         g_pages = page_tab[take(blk_req)]  # [Gb, Pmax']
         qb = q_pad[g_tok]  # [Gb, Bq, K, G, H]
 
@@ -306,7 +320,7 @@ def _attend_prefix(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens,
             pages = jax.lax.dynamic_slice_in_dim(g_pages, c * chunk, chunk, axis=1)  # [Gb, C]
             kv = _read_kv(kv_cache, layer, pages).reshape(gb, chunk_tokens, k_heads, 2, h)
             kpos = c * chunk_tokens + jnp.arange(chunk_tokens)  # [L]
-            in_ctx = kpos[None, :] < g_prefix[:, None]  # [Gb, L]
+            in_ctx = kpos[None, :] < g_bound[:, None]  # [Gb, L]
             if sliding_window is not None:
                 # Pages behind every query's window may already belong to another request
                 # (the scheduler gives them back): never let their contents into a product.
@@ -317,7 +331,10 @@ def _attend_prefix(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens,
             s = jnp.einsum("bqkgh,blkh->bkgql", qb, keys)
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
-            mask = jnp.broadcast_to(in_ctx[:, None, :], g_pos.shape + in_ctx.shape[-1:])  # prefix keys precede every query
+            if through_own:
+                mask = in_ctx[:, None, :] & (kpos[None, None, :] <= g_pos[:, :, None])
+            else:  # every prefix key precedes every query
+                mask = jnp.broadcast_to(in_ctx[:, None, :], g_pos.shape + in_ctx.shape[-1:])
             if sliding_window is not None:
                 mask = mask & (kpos[None, None, :] > g_pos[:, :, None] - sliding_window)
             return _softmax_update(carry, s, mask[:, None, None],
@@ -325,7 +342,7 @@ def _attend_prefix(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens,
 
         init = (jnp.full((gb, k_heads, groups, bq), -jnp.inf, jnp.float32),
                 jnp.zeros((gb, k_heads, groups, bq), jnp.float32), jnp.zeros((gb, k_heads, groups, bq, h), jnp.float32))
-        num_chunks = (jnp.max(g_prefix) + chunk_tokens - 1) // chunk_tokens
+        num_chunks = (jnp.max(g_bound) + chunk_tokens - 1) // chunk_tokens
         res = jax.lax.fori_loop(0, num_chunks, body, init)
         idx = g_tok.reshape(-1)
         return tuple(o.at[idx].set(_per_token(x, gb * bq), mode="drop") for o, x in zip(out, res))

@@ -82,3 +82,13 @@ def test_reference_long_steps_many_tiles_and_groups(window):
     kw = dict(sm_scale=32**-0.5, sliding_window=window)
     out = np.asarray(reference_attention(*b.args(), **kw))
     np.testing.assert_allclose(out, naive_attention(b, **kw), atol=2e-6, rtol=1e-5)
+
+
+def test_reference_decode_sized_step_with_multi_token_requests():
+    """No more tokens than rows (the one-pass path): requests of several queries still
+    see exactly the keys up to their own positions."""
+    b = make_batch([(5, 20), (1, 9), (3, 3), (0, 4)], pad_seqs=10, pad_tokens=2)
+    assert b.q.shape[0] <= b.page_indices.shape[0]
+    kw = dict(sm_scale=0.125, sliding_window=4)
+    np.testing.assert_allclose(np.asarray(reference_attention(*b.args(), **kw)), naive_attention(b, **kw),
+                               atol=2e-6, rtol=1e-5)
