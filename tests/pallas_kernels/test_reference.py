@@ -4,15 +4,33 @@ import numpy as np
 import pytest
 
 from pallas_kernels import reference
-from rpa_cases import CASES, case_batch, case_expected, make_batch, naive_attention, reference_attention
+from rpa_cases import CASES, case_batch, make_batch, naive_attention, reference_attention
+
+
+@pytest.fixture(params=["split", "one_pass"])
+def path(request, monkeypatch):
+    """Both ways the reference attends: this step's tokens and the prefix apart (prefill-
+    sized steps), or one paged pass. Forced by the size threshold; a fresh jit of each."""
+    import jax
+
+    monkeypatch.setattr(reference, "_SPLIT_TOKENS", 0 if request.param == "split" else 10**9)
+    jax.clear_caches()
+    fn = jax.jit(reference.ragged_paged_attention, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+
+    def attend(*args, **kw):
+        with jax.default_matmul_precision("highest"):
+            return fn(*args, **kw)
+
+    yield attend
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_reference_matches_naive_loop(name):
+def test_reference_matches_naive_loop(name, path):
     case = CASES[name]
     b = case_batch(name)
     expected = naive_attention(b, **case.attn_kwargs)
-    out = case_expected(name)
+    out = np.asarray(path(*b.args(), **case.attn_kwargs).astype(jnp.float32))
     if case.dtype == jnp.bfloat16:
         np.testing.assert_allclose(out, expected, atol=3e-2, rtol=3e-2)
     else:
@@ -74,13 +92,13 @@ def test_pages_per_chunk():
 
 
 @pytest.mark.parametrize("window", [None, 10])
-def test_reference_long_steps_many_tiles_and_groups(window):
+def test_reference_long_steps_many_tiles_and_groups(window, path):
     """More tiles than one group holds (tiles of this step's tokens) and more blocks than
     one group (prefix blocks); a window shorter than a tile run: the reach bound."""
     seqs = [(600, 600), (1, 50), (40, 300), (1, 1), (70, 90)] + [(1, 20 + 7 * i) for i in range(12)]
     b = make_batch(seqs, num_heads=4, num_kv_heads=2, head_dim=32, page_size=16)
     kw = dict(sm_scale=32**-0.5, sliding_window=window)
-    out = np.asarray(reference_attention(*b.args(), **kw))
+    out = np.asarray(path(*b.args(), **kw))
     np.testing.assert_allclose(out, naive_attention(b, **kw), atol=2e-6, rtol=1e-5)
 
 
