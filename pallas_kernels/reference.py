@@ -134,9 +134,10 @@ def ragged_paged_attention(
     kw = dict(sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)
     if t < _SPLIT_TOKENS or t <= r:
         # Smaller and decode-sized steps: one pass over the pages, every query up to its
-        # own position, in blocks of one token (no more tokens than rows) or of _Q_BLOCK. Splitting off this
-        # step's tokens pays for prefill-sized steps; one pass compiles in about a
-        # quarter of the time (1.0-1.4 against 4.2 s per program on the CI VM).
+        # own position, in blocks of one token (no more tokens than rows) or of _Q_BLOCK.
+        # Splitting off this step's tokens pays for prefill-sized steps; one pass
+        # compiles in about a quarter of the time (1.0-1.4 against 4.2 s per program on
+        # the CI VM).
         _, l, acc = _attend_paged(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, req_c, valid_tok,
                                   tok_pos, bq=1 if t <= r else _Q_BLOCK, through_own=True, **kw)
         return _normalize(l, acc).reshape(t, n, h).astype(q.dtype)
