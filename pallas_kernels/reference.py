@@ -173,6 +173,13 @@ def _read_kv(kv_cache, layer, pages, offsets=None):
     return (kv_cache[idx] if layer is None else kv_cache[(layer, *idx)]).astype(jnp.float32)
 
 
+def _softmax_init(shape, head_dim):
+    """Online-softmax state with nothing attended yet: (m = -inf, l = 0) of ``shape``, acc = 0
+    of ``shape + (head_dim,)``."""
+    return (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (head_dim,), jnp.float32))
+
+
 def _softmax_update(carry, s, mask, attend_values):
     """One online-softmax step. carry (m, l, acc): [..., Q], [..., Q], [..., Q, H];
     s: scores [..., Q, L] (ignored where ~mask); attend_values(p) -> [..., Q, H]."""
@@ -256,15 +263,10 @@ def _attend_step_tokens(qs, kv_cache, page_indices, cu_q_lens, req, req_c, valid
             mask = jnp.broadcast_to(mask[:, None, None], (gt, 1, groups, bt, bt)).reshape(gt, 1, groups * bt, bt)
             return _softmax_update(carry, s, mask, lambda p: jnp.einsum("ikql,ikhl->ikqh", p, values))
 
-        init = (jnp.full((gt, k_heads, groups * bt), -jnp.inf, jnp.float32),
-                jnp.zeros((gt, k_heads, groups * bt), jnp.float32),
-                jnp.zeros((gt, k_heads, groups * bt, h), jnp.float32))
-        res = jax.lax.fori_loop(0, jnp.max(reach[tid]), body, init)
+        res = jax.lax.fori_loop(0, jnp.max(reach[tid]), body, _softmax_init((gt, k_heads, groups * bt), h))
         return tuple(o.at[tid].set(x, mode="drop") for o, x in zip(out, res))
 
-    init = (jnp.full((nt, k_heads, groups * bt), -jnp.inf, jnp.float32),
-            jnp.zeros((nt, k_heads, groups * bt), jnp.float32), jnp.zeros((nt, k_heads, groups * bt, h), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, num_groups, group, init)
+    m, l, acc = jax.lax.fori_loop(0, num_groups, group, _softmax_init((nt, k_heads, groups * bt), h))
     unfold = lambda x: x.reshape((nt, k_heads, groups, bt) + x.shape[3:])
     return _per_token(unfold(m), t), _per_token(unfold(l), t), _per_token(unfold(acc), t)
 
@@ -348,13 +350,9 @@ def _attend_paged(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, 
             return _softmax_update(carry, s, mask[:, None, None],
                                    lambda p: jnp.einsum("bkgql,blkh->bkgqh", p, values))
 
-        init = (jnp.full((gb, k_heads, groups, bq), -jnp.inf, jnp.float32),
-                jnp.zeros((gb, k_heads, groups, bq), jnp.float32), jnp.zeros((gb, k_heads, groups, bq, h), jnp.float32))
         num_chunks = (jnp.max(g_bound) + chunk_tokens - 1) // chunk_tokens
-        res = jax.lax.fori_loop(0, num_chunks, body, init)
+        res = jax.lax.fori_loop(0, num_chunks, body, _softmax_init((gb, k_heads, groups, bq), h))
         idx = g_tok.reshape(-1)
         return tuple(o.at[idx].set(_per_token(x, gb * bq), mode="drop") for o, x in zip(out, res))
 
-    init = (jnp.full((t, k_heads, groups), -jnp.inf, jnp.float32), jnp.zeros((t, k_heads, groups), jnp.float32),
-            jnp.zeros((t, k_heads, groups, h), jnp.float32))
-    return jax.lax.fori_loop(0, num_groups, group, init)
+    return jax.lax.fori_loop(0, num_groups, group, _softmax_init((t, k_heads, groups), h))
