@@ -86,6 +86,8 @@ class PreparedStep:
     prompt_logprobs_targets: np.ndarray | None  # [DP*T] int32: the token after each position
     draft_token_ids: np.ndarray | None  # [DP*Rb, k] int32 (-1 padded), with a VerifyKey
     num_draft_tokens: np.ndarray | None  # [DP*Rb] int32, with a VerifyKey
+    # [DP*2] bool: (every row greedy, plain) once per rank, the SampleKey program's run-time flags
+    sample_flags: np.ndarray | None = None
 
 
 def resolve_dtype(dtype: str, platform: str):
@@ -247,15 +249,16 @@ class ModelRunner:
             last = jnp.take_along_axis(by_rank, logits_indices.reshape(dp, -1, 1), axis=1)
             return hidden, last.reshape(-1, hidden.shape[-1]), kv_cache
 
-        def sample_step(state, hidden_last, smd, *, num_reqs, greedy_only, use_penalties, plain):
+        def sample_step(state, hidden_last, smd, flags, *, num_reqs, use_penalties):
+            """flags: [DP*2] bool, (greedy_only, plain) of the whole step once per rank."""
             model = nnx.merge(graphdef, state)
             logits = model.compute_logits(per_rank_rows(hidden_last, num_reqs))
-            return sample(logits, smd, greedy_only=greedy_only, use_penalties=use_penalties,
-                          num_logprobs=self.max_logprobs, plain=plain)
+            flags = flags.reshape(dp, 2)
+            return sample(logits, smd, greedy_only=jnp.all(flags[:, 0]), use_penalties=use_penalties,
+                          num_logprobs=self.max_logprobs, plain=jnp.all(flags[:, 1]))
 
         def verify_step(state, hidden_last, smd, draft_token_ids, num_draft_tokens, *, num_reqs, greedy_only,
-                        use_penalties, plain):
-            del plain  # a VerifyKey is never plain: verification keeps its logprobs
+                        use_penalties):
             model = nnx.merge(graphdef, state)
             logits = model.compute_logits(per_rank_rows(hidden_last, num_reqs, all_positions=True))
             return rejection_sample(logits, draft_token_ids, num_draft_tokens, smd, greedy_only=greedy_only,
@@ -273,10 +276,10 @@ class ModelRunner:
         self._jitted = {
             ModelStepKey: jax.jit(model_step, donate_argnums=(1,),
                                   out_shardings=(None, None, kv_cache_sharding(self.mesh))),
-            SampleKey: jax.jit(sample_step, static_argnames=("num_reqs", "greedy_only", "use_penalties", "plain"),
+            SampleKey: jax.jit(sample_step, static_argnames=("num_reqs", "use_penalties"),
                                out_shardings=self._replicated),
             PromptLogprobsKey: jax.jit(prompt_logprobs_step, out_shardings=self._replicated),
-            VerifyKey: jax.jit(verify_step, static_argnames=("num_reqs", "greedy_only", "use_penalties", "plain"),
+            VerifyKey: jax.jit(verify_step, static_argnames=("num_reqs", "greedy_only", "use_penalties"),
                                out_shardings=self._replicated),
         }
         # Executables compiled ahead of time by warmup(), by program key; the jitted
@@ -320,8 +323,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         steps = [ModelStepKey(t) for t in self.token_buckets]
         drafts = [DraftKey(t) for t in self.draft.buckets] if self.draft is not None else []
-        samplers: list[ProgramKey] = [SampleKey(r, g, p, plain) for r in self.request_buckets for g in (True, False)
-                                      for p in (False, True) for plain in (False, True)]
+        samplers: list[ProgramKey] = [SampleKey(r, p) for r in self.request_buckets for p in (False, True)]
         if self.num_spec:
             samplers += [VerifyKey(r, g, p) for r in self.request_buckets for g in (True, False) for p in (False, True)]
         keys = steps + [PromptLogprobsKey(k.num_tokens) for k in steps] + drafts + samplers
@@ -383,6 +385,8 @@ class ModelRunner:
                 if isinstance(key, VerifyKey):
                     args += (np.full((self.dp * key.num_reqs, self.num_spec), -1, np.int32),
                              np.zeros(self.dp * key.num_reqs, np.int32))
+                else:
+                    args += (np.zeros(2 * self.dp, np.bool_),)  # the run-time flags (greedy_only, plain)
                 pending.append(compile_async(key, self._lower(key, self.state, hidden_last, *self._put(args))))
             for f in pending:
                 f.result()  # re-raises a failed compile here
@@ -531,11 +535,12 @@ class ModelRunner:
             smds.append(smd_rank)
         smd = smds[0] if self.dp == 1 else jax.tree.map(lambda *xs: np.concatenate(xs), *smds)
         # Verification keeps its logprobs (one program set; drafts are a minority case).
-        sample_key = VerifyKey(r_pad, greedy, use_penalties) if verify else SampleKey(r_pad, greedy, use_penalties, plain)
+        sample_key = VerifyKey(r_pad, greedy, use_penalties) if verify else SampleKey(r_pad, use_penalties)
         return PreparedStep(
             ranks=rank_steps, model_key=ModelStepKey(t_pad), model_inputs=(input_ids, positions, md, logits_indices),
             sample_key=sample_key, sampling_metadata=smd, prompt_logprobs_targets=lp_targets,
-            draft_token_ids=drafts, num_draft_tokens=num_drafts)
+            draft_token_ids=drafts, num_draft_tokens=num_drafts,
+            sample_flags=np.array([greedy, plain] * self.dp, np.bool_))
 
     def _prepare_rank(self, so, ib: InputBatch, req_ids, rows, input_ids, positions, slot_mapping, seq_lens, cu,
                       block_tables, logits_indices) -> tuple[RankStep, np.ndarray | None]:
@@ -584,10 +589,10 @@ class ModelRunner:
         them; one device_get of the results (numpy)."""
         targets = step.prompt_logprobs_targets
         verify = isinstance(step.sample_key, VerifyKey)
-        drafts = (step.draft_token_ids, step.num_draft_tokens) if verify else ()
-        model_inputs, smd, targets, drafts = self._put((step.model_inputs, step.sampling_metadata, targets, drafts))
+        extra = (step.draft_token_ids, step.num_draft_tokens) if verify else (step.sample_flags,)
+        model_inputs, smd, targets, extra = self._put((step.model_inputs, step.sampling_metadata, targets, extra))
         hidden, hidden_last, self.kv_cache = self._run(step.model_key, self.state, self.kv_cache, *model_inputs)
-        sampled = self._run(step.sample_key, self.state, hidden_last, smd, *drafts)
+        sampled = self._run(step.sample_key, self.state, hidden_last, smd, *extra)
         prompt_lp = None
         if targets is not None:
             prompt_lp = self._run(PromptLogprobsKey(step.model_key.num_tokens), self.state, hidden, targets)

@@ -22,15 +22,14 @@ class ModelStepKey:
 
 @dataclass(frozen=True, slots=True)
 class SampleKey:
-    """Logits + sampler for a request bucket; greedy-only and penalty-free batches get
-    cheaper variants (no random draw / no token-history scatter), and so do plain ones:
-    no request wants logprobs and none is grammar-constrained, so the sampler skips the
-    log-softmax, its top-k and the grammar mask (each a pass over [R, V])."""
+    """Logits + sampler for a request bucket; penalty-free batches get a cheaper variant
+    (no token-history scatter). Greedy-only and plain batches (no request wants
+    logprobs, none is grammar-constrained) are run-time flags of the same program: it
+    skips the random draw, or the log-softmax, its top-k and the grammar mask (each a
+    pass over [R, V]) with lax.cond, so one program serves the four cases."""
 
     num_reqs: int
-    greedy_only: bool
     use_penalties: bool
-    plain: bool = False
 
     def static_args(self) -> dict:
         return asdict(self)
@@ -47,10 +46,17 @@ class PromptLogprobsKey:
 
 
 @dataclass(frozen=True, slots=True)
-class VerifyKey(SampleKey):
+class VerifyKey:
     """Logits at every draft position + rejection sampling (speculative decoding) for a
-    request bucket; the same variants as SampleKey (never equal to one: dataclass
-    equality compares the class)."""
+    request bucket; greedy-only and penalty-free batches get cheaper variants (never
+    plain: verification keeps its logprobs)."""
+
+    num_reqs: int
+    greedy_only: bool
+    use_penalties: bool
+
+    def static_args(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)
