@@ -50,6 +50,7 @@ from pallas_kernels.backend import build_attention, resolve_backend
 logger = logging.getLogger("jaxserve")
 
 MIN_TOKEN_BUCKET = 16
+JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 MIN_REQUEST_BUCKET = 8
 
 
@@ -335,8 +336,24 @@ class ModelRunner:
             dt = time.perf_counter() - t0
             logger.info("Warm-up loaded %d compiled programs from %s in %.1f s", len(loaded), cache.path, dt)
             return dt
-        self._compile_all(steps, drafts, samplers)
-        if cache is not None:
+        hits = []
+
+        def on_event(event, **kwargs):
+            if event == JAX_CACHE_HIT_EVENT:
+                hits.append(event)
+
+        jax.monitoring.register_event_listener(on_event)
+        try:
+            self._compile_all(steps, drafts, samplers)
+        finally:
+            jax.monitoring.unregister_event_listener(on_event)
+        if cache is not None and hits:
+            # An executable read from JAX's persistent cache serializes without its
+            # kernels' object code (XLA:CPU, jax 0.10: loading it fails at the first
+            # run with "Function ... not found"), so only a set compiled from scratch
+            # is saved.
+            logger.info("Executable cache not written: %d programs came from JAX's compilation cache", len(hits))
+        elif cache is not None:
             cache.save(self._executables)
         dt = time.perf_counter() - t0
         logger.info("Warm-up compiled %d programs in %.1f s", self.num_compiled_programs, dt)

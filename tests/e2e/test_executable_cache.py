@@ -15,11 +15,15 @@ ARGS = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, kv_cach
 
 @pytest.fixture
 def cache_dir(tmp_path):
-    """Point the executable cache (it follows JAX's cache setting) at an empty folder."""
-    before = jax.config.jax_compilation_cache_dir
+    """Point the executable cache (it follows JAX's cache folder setting) at an empty
+    folder, with JAX's own cache off: a program read from it is never saved (see
+    ModelRunner.warmup), and earlier tests may have compiled the same ones."""
+    before = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    jax.config.update("jax_enable_compilation_cache", False)
     yield tmp_path / "jaxserve-executables"
-    jax.config.update("jax_compilation_cache_dir", before)
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_enable_compilation_cache", before[1])
 
 
 def run(llm):
