@@ -416,8 +416,8 @@ class ModelRunner:
     def lower_model_step(self, num_tokens: int) -> jax.stages.Lowered:
         """The model step of token bucket ``num_tokens``, lowered with serving's input
         types (for the warm-up, and to inspect a bucket's HLO)."""
-        inputs = self._put(self._model_inputs(num_tokens))
-        return self._jitted[ModelStepKey].lower(self.state, self.kv_cache, *inputs)
+        return self._lower(ModelStepKey(num_tokens), self.state, self.kv_cache,
+                           *self._put(self._model_inputs(num_tokens)))
 
     def _lower(self, key: ProgramKey, *args) -> jax.stages.Lowered:
         return self._jitted[type(key)].lower(*args, **key.static_args())
