@@ -62,33 +62,63 @@ def test_write_kv_cache_scatters_interleaved_rows():
     assert np.count_nonzero(np.abs(out).sum(axis=(2, 3))) == 5
 
 
-@pytest.mark.parametrize("chunk_bytes", [1, 1 << 20])  # 1 page, then 2-4 pages per iteration
-@pytest.mark.parametrize("name", ["decode_gqa4_h128_p16"])  # decode-shaped: the budget applies
-def test_reference_with_fewer_pages_per_iteration(monkeypatch, name, chunk_bytes):
-    """Large batches gather fewer pages per loop iteration (pages_per_chunk); the result
-    must not depend on it."""
+def _attend_counting(monkeypatch, helper, b, kw, **budgets):
+    """The reference on batch ``b`` with ``budgets`` patched in, jitted afresh, checked
+    against the naive loop; returns what ``helper`` (a chunk-size function) returned at
+    trace time."""
     import jax
 
-    monkeypatch.setattr(reference, "_CHUNK_BYTES", chunk_bytes)
+    for k, v in budgets.items():
+        monkeypatch.setattr(reference, k, v)
     chunks = []
-    real = reference.pages_per_chunk
-    monkeypatch.setattr(reference, "pages_per_chunk", lambda *a: chunks.append(real(*a)) or chunks[-1])
+    real = getattr(reference, helper)
+    monkeypatch.setattr(reference, helper, lambda *a: chunks.append(real(*a)) or chunks[-1])
     jax.clear_caches()  # traces of the same function are shared across jit objects
-    kw = CASES[name].attn_kwargs
-    b = case_batch(name)
     fn = jax.jit(reference.ragged_paged_attention, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
     with jax.default_matmul_precision("highest"):
         out = np.asarray(fn(*b.args(), **kw))
     np.testing.assert_allclose(out, naive_attention(b, **kw), atol=2e-6, rtol=1e-5)
-    assert chunks == [1 if chunk_bytes == 1 else 4]
+    return chunks
 
 
-def test_pages_per_chunk():
-    # 64 decode rows x 16 tokens x 6 rows x 64 dims x 4 bytes = 1.5 MiB per page: 2 pages fit 4 MiB.
-    assert reference.pages_per_chunk(64, 16, 6, 64, pmax=128) == 2
-    assert reference.pages_per_chunk(1, 16, 6, 64, pmax=128) == 8  # capped at _PAGES_PER_CHUNK
-    assert reference.pages_per_chunk(1, 16, 6, 64, pmax=3) == 2  # and at the table width
-    assert reference.pages_per_chunk(512, 16, 16, 128, pmax=128) == 1  # never below one page
+# Decode-sized batches (no more tokens than rows): 7 tokens of 7 rows, 32 KiB pages; 11
+# tokens of 14 rows, multi-token requests, a window, 32 KiB pages, a garbage page table.
+_DECODE = dict(seqs=[(1, 5), (1, 33), (0, 9), (1, 300), (1, 16)], num_heads=8, num_kv_heads=2, head_dim=128)
+_WINDOW = dict(seqs=[(5, 20), (1, 9), (3, 3), (0, 4), (1, 150)], pad_seqs=9, pad_tokens=1, head_dim=128,
+               garbage_page_table=True)
+
+
+@pytest.mark.parametrize("pair_bytes, expected", [(1, 1), (3 << 16, 4), (1 << 30, None)])
+@pytest.mark.parametrize("batch, window", [(_DECODE, None), (_WINDOW, 40)])
+def test_reference_decode_with_fewer_pairs_per_iteration(monkeypatch, batch, window, pair_bytes, expected):
+    """Decode-sized steps gather (token, page) pairs, as many per iteration as
+    pairs_per_chunk allows; the result must not depend on it (a token's pairs span
+    iterations)."""
+    b = make_batch(**batch)
+    assert b.q.shape[0] <= b.page_indices.shape[0]
+    kw = dict(sm_scale=0.125, sliding_window=window, soft_cap=None)
+    if expected is None:  # no byte limit: 4 pairs per token, to a power of two (16 and 32 here)
+        expected = 1 << (4 * b.q.shape[0]).bit_length() - 1
+    assert _attend_counting(monkeypatch, "pairs_per_chunk", b, kw, _PAIR_BYTES=pair_bytes) == [expected]
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 20])  # 1 page, then 2-4 pages per iteration
+def test_reference_with_fewer_pages_per_iteration(monkeypatch, chunk_bytes):
+    """Blocks of queries gather fewer pages per loop iteration when many blocks share
+    one (pages_per_chunk); the result must not depend on it."""
+    name = "prefill_mha_h64_p32"
+    chunks = _attend_counting(monkeypatch, "pages_per_chunk", case_batch(name), CASES[name].attn_kwargs,
+                              _CHUNK_BYTES=chunk_bytes, _SPLIT_TOKENS=10**9)
+    assert chunks == [1 if chunk_bytes == 1 else 2]
+
+
+def test_pairs_per_chunk():
+    # SmolLM2: 16 x 6 x 64 x 4 bytes = 24 KiB per page; 64 pairs fit 2 MiB.
+    assert reference.pairs_per_chunk(64, 16, 6, 64) == 64
+    assert reference.pairs_per_chunk(8, 16, 6, 64) == 32  # 4 per token
+    assert reference.pairs_per_chunk(1, 16, 6, 64) == 4
+    assert reference.pairs_per_chunk(64, 16, 16, 128) == 16  # 128 KiB pages
+    assert reference.pairs_per_chunk(64, 64, 64, 256) == 1  # never below one pair
 
 
 @pytest.mark.parametrize("window", [None, 10])
