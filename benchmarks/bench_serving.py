@@ -9,6 +9,12 @@ t=0, a semaphore caps how many are in flight), and reports TTFT / TPOT / ITL / E
         --num-prompts 64 --input-len 128 --output-len 64 --max-concurrency 8
     python benchmarks/bench_serving.py --launch ...   # starts `serve` itself (default model)
 
+Against vLLM's own server (the CPU build, in its own venv), same client, same prompts:
+the peer is launched first, every concurrency runs against it, it is stopped, then ours:
+
+    python benchmarks/bench_serving.py --peer vllm --peer-python ../vllm-venv/bin/python \
+        --max-concurrency 1 8 32 64 --num-prompts 4 16 64 128
+
 Prompts are sent as token-id lists, so the input length is exact: random ids drawn as
 vLLM's random dataset does (the vocabulary minus special tokens, offset per request).
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -266,12 +273,44 @@ def _free_port() -> int:
 
 
 def launch_server(args) -> tuple[subprocess.Popen, str]:
+    """Our `serve` on a free port; returns once /health answers (the start-up is printed)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "server.cli_serve", "serve", *([args.model] if args.model else []),
            "--host", "127.0.0.1", "--port", str(port), "--disable-log-requests", "--uvicorn-log-level", "warning"]
+    cmd += _shared_server_args(args)
     cmd += args.server_args.split() if args.server_args else []
+    return _wait_healthy(args, cmd, port, env=None)
+
+
+def _shared_server_args(args) -> list[str]:
+    """With --peer, both servers get the same batch and context limits."""
+    if not args.peer:
+        return []
+    return ["--max-num-seqs", str(max(args.max_concurrency)), "--max-model-len", str(args.max_model_len)]
+
+
+def launch_peer(args) -> tuple[subprocess.Popen, str]:
+    """`vllm serve` (its OpenAI server module) from the peer's Python on the model we serve,
+    f32, seed 0, with the CPU build's KV space and thread binding (set unless given)."""
+    sys.path.insert(0, str(REPO))
+    from models.default_model import default_model_dir
+
+    port = _free_port()
+    model = args.model or str(default_model_dir())
+    cmd = [args.peer_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--seed", "0", "--uvicorn-log-level", "warning",
+           *_shared_server_args(args)]
+    cmd += args.peer_args.split() if args.peer_args else []
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    return _wait_healthy(args, cmd, port, env=env)
+
+
+def _wait_healthy(args, cmd: list[str], port: int, env) -> tuple[subprocess.Popen, str]:
     print("launching:", " ".join(cmd), file=sys.stderr)
-    proc = subprocess.Popen(cmd, cwd=REPO)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + args.launch_timeout
     while time.monotonic() < deadline:
@@ -279,6 +318,7 @@ def launch_server(args) -> tuple[subprocess.Popen, str]:
             raise SystemExit(f"the server exited with {proc.returncode}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                print(f"server healthy after {time.monotonic() - t0:.1f} s", file=sys.stderr)
                 return proc, url
         except httpx.HTTPError:
             pass
@@ -304,18 +344,47 @@ def main(argv=None) -> None:
     p.add_argument("--server-args", default="", help="extra arguments for the launched server (one string)")
     p.add_argument("--launch-timeout", type=float, default=600)
     p.add_argument("--save-result", default=None, help="write all results to this JSON file")
+    p.add_argument("--peer", choices=("vllm",), default=None,
+                   help="first launch this engine's server (vLLM: its OpenAI server, CPU build) on the same model "
+                        "and run every concurrency against it, then ours (launched): both and the ratios")
+    p.add_argument("--peer-python", default=sys.executable, help="the Python of the peer's environment")
+    p.add_argument("--peer-args", default="", help="extra arguments for the peer's server (one string)")
+    p.add_argument("--max-model-len", type=int, default=1024, help="with --peer: both servers' context limit "
+                                                                   "(and max-num-seqs = the largest concurrency)")
     args = p.parse_args(argv)
+    nps = args.num_prompts if len(args.num_prompts) > 1 else args.num_prompts * len(args.max_concurrency)
+    if len(nps) != len(args.max_concurrency):
+        raise SystemExit("--num-prompts: one value, or one per --max-concurrency value")
+    peer = None
+    if args.peer:  # first, so that its start-up and run share nothing with ours
+        print(f"== peer: {args.peer} ==", flush=True)
+        peer = run_all(args, nps, launch=functools.partial(launch_peer, args))
+        print("== jaxserve ==", flush=True)
+    ours = run_all(args, nps, launch=functools.partial(launch_server, args) if args.launch or args.peer else None)
+    if peer is not None:
+        print(f"\n| concurrency | prompts | engine | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | output tok/s |")
+        print("|---|---|---|---|---|---|")
+        for r_peer, r, n in zip(peer, ours, nps):
+            for name, x in ((args.peer, r_peer), ("jaxserve", r)):
+                print(f"| {x['max_concurrency']} | {n} | {name} | {x['median_ttft_ms']:.0f} / {x['p99_ttft_ms']:.0f} | "
+                      f"{x['median_tpot_ms']:.1f} / {x['p99_tpot_ms']:.1f} | {x['output_throughput']:.1f} |")
+        for r_peer, r in zip(peer, ours):
+            ratio = r["output_throughput"] / r_peer["output_throughput"] if r_peer["output_throughput"] else float("nan")
+            print(f"concurrency {r['max_concurrency']}: jaxserve / {args.peer} output tok/s {ratio:.2f}x")
+        print(machine_line())
+    if args.save_result:
+        Path(args.save_result).write_text(json.dumps({"jaxserve": ours, "peer": peer} if peer else ours, indent=1))
 
-    proc = None
-    base_url = args.base_url
-    if args.launch:
-        proc, base_url = launch_server(args)
+
+def run_all(args, nps: list[int], launch) -> list[dict]:
+    """Every --max-concurrency run against one server (launched by ``launch`` when given,
+    else --base-url), stopped afterwards; prints each report and a summary table."""
+    proc, base_url = launch() if launch else (None, args.base_url)
     try:
-        nps = args.num_prompts if len(args.num_prompts) > 1 else args.num_prompts * len(args.max_concurrency)
         results = []
         rss = [server_rss_mb(proc)]
         for conc, n in zip(args.max_concurrency, nps):
-            r = asyncio.run(benchmark(base_url=base_url, model=None if args.launch else args.model,
+            r = asyncio.run(benchmark(base_url=base_url, model=None if launch else args.model,
                                       num_prompts=n, input_len=args.input_len, output_len=args.output_len,
                                       max_concurrency=conc, seed=args.seed, tokenizer=args.tokenizer,
                                       num_warmups=args.num_warmups, verbose=True))
@@ -332,13 +401,12 @@ def main(argv=None) -> None:
                       f"{r['p99_tpot_ms']:.1f} | {r['output_throughput']:.1f} | {r['request_throughput']:.2f} "
                       f"| {r['rejected_503']} | {r['failed'] - r['rejected_503']} | {mb:.0f} |")
             print(f"server RSS before the runs: {rss[0]:.0f} MiB")
-        if args.save_result:
-            Path(args.save_result).write_text(json.dumps(results, indent=1))
+        return results
     finally:
         if proc is not None:
             proc.terminate()
             try:
-                proc.wait(30)
+                proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
 
