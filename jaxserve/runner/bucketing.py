@@ -14,6 +14,12 @@ def power_of_two_buckets(floor: int, maximum: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def default_buckets(floor: int, maximum: int, *, single: bool) -> tuple[int, ...]:
+    """power_of_two_buckets(floor, maximum), led by a bucket of 1 when ``single``."""
+    buckets = power_of_two_buckets(floor, maximum)
+    return (1, *buckets) if single and buckets[0] > 1 else buckets
+
+
 class BucketTable:
     """Maps a size in [1, max] to the smallest bucket >= size via a lookup array."""
 

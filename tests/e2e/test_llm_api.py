@@ -40,6 +40,24 @@ def test_no_compilation_after_warmup(llm):  # JX-01
     assert compiled == [0, 0], f"(backend compiles, new variants) after warm-up: {compiled}"
 
 
+def test_one_token_steps_run_in_their_own_bucket(llm):
+    """On a CPU the default buckets start at 1 (a one-token step's matmuls are then
+    matrix-vector products): a lone decode row runs the one-token program, its sampler
+    the one-request one."""
+    runner = llm.llm_engine.model_runner
+    assert runner.token_buckets.buckets[:2] == (1, 16) and runner.request_buckets.buckets[:2] == (1, 8)
+    keys = []
+    real = runner._run
+    runner._run = lambda key, *a: keys.append(key) or real(key, *a)
+    try:
+        gen(llm, [ids(7, 3)], max_tokens=3, temperature=0.0, ignore_eos=True)
+    finally:
+        runner._run = real
+    steps = [k.num_tokens for k in keys if hasattr(k, "num_tokens")]
+    samplers = [k.num_reqs for k in keys if hasattr(k, "num_reqs")]
+    assert steps == [16, 1, 1] and samplers == [1, 1, 1], keys  # the prefill, then two decodes
+
+
 def test_results_in_input_order_and_lengths(llm):  # EN-06
     ps = [ids(i, 3 + 7 * i) for i in range(6)]
     outs = gen(llm, ps, temperature=0.0, ignore_eos=True, max_tokens=5)

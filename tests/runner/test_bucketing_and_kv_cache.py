@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.runner.bucketing import BucketTable, power_of_two_buckets
+from jaxserve.runner.bucketing import BucketTable, default_buckets, power_of_two_buckets
 from jaxserve.runner.kv_cache import bytes_per_block, determine_num_blocks
 from models.config import ModelArchConfig
 
@@ -15,6 +15,16 @@ def test_request_buckets():
     assert BucketTable(power_of_two_buckets(8, 100)).buckets[-1] == 100
     with pytest.raises(ValueError):
         table(65)
+
+
+def test_default_buckets_lead_with_one_on_cpu():
+    """A bucket of 1 ahead of the powers of two (CPU: one-token steps are matrix-vector
+    products); never twice, and not without ``single``."""
+    table = BucketTable(default_buckets(16, 2048, single=True))
+    assert table.buckets == (1, 16, 32, 64, 128, 256, 512, 1024, 2048)
+    assert [table(n) for n in (1, 2, 16, 17)] == [1, 16, 16, 32]
+    assert default_buckets(1, 4, single=True) == (1, 2, 4)
+    assert default_buckets(8, 64, single=False) == (8, 16, 32, 64)
 
 
 def _arch(layers=32, kv_heads=32, head_dim=128):
