@@ -145,9 +145,11 @@ class EngineArgs:
     # ------------------------------------------------------------------ compilation
     enforce_eager: bool = field(default=False, metadata=_arg("Skip the start-up warm-up (compile on demand)."))
     token_buckets: list[int] | None = field(default=None, metadata=_arg(
-        "Padded token counts the step compiles for (default: powers of two up to max_num_batched_tokens)."))
+        "Padded token counts the step compiles for (default: powers of two from 16 up to "
+        "max_num_batched_tokens, and 1 on a CPU)."))
     request_buckets: list[int] | None = field(default=None, metadata=_arg(
-        "Padded request counts the sampler compiles for (default: powers of two up to max_num_seqs)."))
+        "Padded request counts the sampler compiles for (default: powers of two from 8 up to max_num_seqs, "
+        "and 1 on a CPU)."))
 
     # ------------------------------------------------------------------ CLI
     @classmethod
