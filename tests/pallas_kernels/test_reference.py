@@ -112,6 +112,14 @@ def test_reference_with_fewer_pages_per_iteration(monkeypatch, chunk_bytes):
     assert chunks == [1 if chunk_bytes == 1 else 2]
 
 
+def test_pages_per_chunk():
+    # 64 decode rows x 16 tokens x 6 rows x 64 dims x 4 bytes = 1.5 MiB per page: 2 pages fit 4 MiB.
+    assert reference.pages_per_chunk(64, 16, 6, 64, pmax=128) == 2
+    assert reference.pages_per_chunk(1, 16, 6, 64, pmax=128) == 8  # capped at _PAGES_PER_CHUNK
+    assert reference.pages_per_chunk(1, 16, 6, 64, pmax=3) == 2  # and at the table width
+    assert reference.pages_per_chunk(512, 16, 16, 128, pmax=128) == 1  # never below one page
+
+
 def test_pairs_per_chunk():
     # SmolLM2: 16 x 6 x 64 x 4 bytes = 24 KiB per page; 64 pairs fit 2 MiB.
     assert reference.pairs_per_chunk(64, 16, 6, 64) == 64
