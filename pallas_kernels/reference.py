@@ -68,9 +68,13 @@ def pairs_per_chunk(num_tokens: int, page_size: int, two_k: int, head_dim: int) 
     """(token, page) pairs per iteration of the decode-sized path: the largest power of
     two <= _PAIRS_PER_CHUNK and <= 4 pairs per token whose pages, gathered as f32,
     stay within _PAIR_BYTES (at least 1)."""
-    per_page = page_size * two_k * head_dim * 4
+    return _pow2_within(min(_PAIRS_PER_CHUNK, 4 * num_tokens), page_size * two_k * head_dim * 4, _PAIR_BYTES)
+
+
+def _pow2_within(cap: int, item_bytes: int, budget: int) -> int:
+    """The largest power of two <= cap whose items (``item_bytes`` each) fit ``budget``; at least 1."""
     chunk = 1
-    while chunk * 2 <= min(_PAIRS_PER_CHUNK, 4 * num_tokens) and chunk * 2 * per_page <= _PAIR_BYTES:
+    while chunk * 2 <= cap and chunk * 2 * item_bytes <= budget:
         chunk *= 2
     return chunk
 
@@ -79,10 +83,7 @@ def pages_per_chunk(num_blocks: int, page_size: int, two_k: int, head_dim: int, 
     """Largest power of two <= _PAGES_PER_CHUNK (and pmax) whose gather, for all
     ``num_blocks`` query blocks at once, stays within _CHUNK_BYTES (at least 1)."""
     per_page = num_blocks * page_size * two_k * head_dim * 4  # gathered as f32
-    chunk = 1
-    while chunk * 2 <= min(_PAGES_PER_CHUNK, pmax) and chunk * 2 * per_page <= _CHUNK_BYTES:
-        chunk *= 2
-    return chunk
+    return _pow2_within(min(_PAGES_PER_CHUNK, pmax), per_page, _CHUNK_BYTES)
 
 
 def write_kv_cache(kv_cache, k, v, slot_mapping, *, layer=None):
