@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxserve.sample.metadata import SamplingMetadata
 from jaxserve.sample.sampler import (
-    compute_logprobs, fast_argmax, inverse_cdf_draw, process_logits, temper_and_filter, uniform_per_row,
+    argmax_ids, compute_logprobs, inverse_cdf_draw, process_logits, temper_and_filter, uniform_per_row,
 )
 
 # Salt of the acceptance test's random stream (independent of the draws').
@@ -49,7 +49,7 @@ def rejection_sample(logits, draft_token_ids, num_draft_tokens, md: SamplingMeta
     positions = per_row.output_pos + col
 
     raw, logits = process_logits(logits, per_row, use_penalties=use_penalties)
-    greedy_tokens = fast_argmax(logits)
+    greedy_tokens = argmax_ids(logits)
     if greedy_only:
         accept, target = drafts == greedy_tokens, greedy_tokens
     else:

@@ -29,7 +29,7 @@ from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.runner.bucketing import BucketTable
 from jaxserve.runner.kv_cache import allocate_kv_cache, kv_cache_sharding
 from jaxserve.runner.program_key import DraftKey
-from jaxserve.sample.sampler import fast_argmax
+from jaxserve.sample.sampler import argmax_ids
 from models.attention_metadata import AttentionMetadata
 from models.config import attention_settings
 from models.loader import load_model
@@ -71,7 +71,7 @@ class DraftModelProposer:
             hidden, kv_cache = model(input_ids, positions, kv_cache, md, attention)
             by_rank = hidden.reshape(dp, -1, hidden.shape[-1])
             last = jnp.take_along_axis(by_rank, last_index.reshape(dp, -1, 1), axis=1).reshape(-1, hidden.shape[-1])
-            token = fast_argmax(model.compute_logits(last))
+            token = argmax_ids(model.compute_logits(last))
             drafts = [token]
             # One token per request per pass: the same metadata shape every time.
             cu = jnp.tile(jnp.arange(rmax + 1, dtype=jnp.int32), dp)
@@ -85,7 +85,7 @@ class DraftModelProposer:
                 step_md = AttentionMetadata(slot_mapping=slot, seq_lens=jnp.where(live, pos + 1, 1),
                                             query_start_loc=cu, block_tables=md.block_tables, num_seqs=md.num_seqs)
                 hidden, kv_cache = model(token, jnp.where(live, pos, 0), kv_cache, step_md, attention)
-                token = fast_argmax(model.compute_logits(hidden))
+                token = argmax_ids(model.compute_logits(hidden))
                 drafts.append(token)
             return jnp.stack(drafts, axis=1), kv_cache
 
