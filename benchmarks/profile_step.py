@@ -19,9 +19,12 @@ For each batch size B: B requests of --prompt-len random tokens are prefilled, t
 
 Phases are timed by wrapping the engine's own methods; each device program is run to
 completion before the next phase starts (block_until_ready), which the engine does not
-do, so 'step total' here can exceed a plain step by the lost overlap (small: the engine
-waits for the sampled tokens anyway). Then the XLA:CPU roofline for this model's shapes:
-matmul GFLOP/s at M = B and copy bandwidth.
+do. 'device idle between steps' is the host work the device waits for: from the
+sampled tokens of step N back on the host to step N + 1's model program started (with
+--async-scheduling, step N + 1 is scheduled before N's tokens are back, and N's outputs
+are processed while N + 1 runs). 'step wall time' comes from a second run of --steps
+steps with nothing wrapped. Then the XLA:CPU roofline for this model's shapes: matmul
+GFLOP/s at M = B and copy bandwidth.
 """
 from __future__ import annotations
 
@@ -75,6 +78,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--kv-cache-gib", type=int, default=4)
+    ap.add_argument("--async-scheduling", action="store_true", help="the engine's --async-scheduling")
     args = ap.parse_args()
 
     import jax
@@ -87,10 +91,11 @@ def main() -> None:
     max_b = max(args.batch)
     # Requests prefilled first decode while the rest prefill: room for that, so that all B
     # are still running when the timed steps start.
-    max_tokens = args.steps + 8 + -(-max_b * args.prompt_len // args.max_num_batched_tokens)
+    max_tokens = 2 * args.steps + 8 + -(-max_b * args.prompt_len // args.max_num_batched_tokens)
     llm = LLM(args.model, max_model_len=args.prompt_len + max_tokens + 16, max_num_seqs=max_b,
               max_num_batched_tokens=max(args.max_num_batched_tokens, max_b), dtype=args.dtype,
-              kv_cache_memory=args.kv_cache_gib << 30)  # every batch size's requests fit at once
+              kv_cache_memory=args.kv_cache_gib << 30,  # every batch size's requests fit at once
+              async_scheduling=args.async_scheduling)
     engine = llm.llm_engine
     core = engine.engine_core
     sched, runner = core.schedulers[0], core.model_runner
@@ -105,13 +110,18 @@ def main() -> None:
     real_run, real_get = runner._run, jax.device_get
     last_model_args = {}
 
+    last_get = [None]  # when the last device_get returned (the tokens of a step are back)
+
     def run(key, *a):
+        if not timer.active:
+            return real_run(key, *a)
         t0 = time.perf_counter()
+        if isinstance(key, ModelStepKey) and last_get[0] is not None:
+            timer.times["idle"].append(t0 - last_get[0])
         out = jax.block_until_ready(real_run(key, *a))
-        if timer.active:
-            timer.times["model_step" if isinstance(key, ModelStepKey) else "sampler"].append(time.perf_counter() - t0)
-            if isinstance(key, ModelStepKey):
-                last_model_args[key.num_tokens] = a
+        timer.times["model_step" if isinstance(key, ModelStepKey) else "sampler"].append(time.perf_counter() - t0)
+        if isinstance(key, ModelStepKey):
+            last_model_args[key.num_tokens] = a
         return out
 
     def device_get(x):
@@ -119,6 +129,7 @@ def main() -> None:
         out = real_get(x)
         if timer.active:
             timer.times["device_get"].append(time.perf_counter() - t0)
+            last_get[0] = time.perf_counter()
         return out
 
     runner._run = run
@@ -144,7 +155,7 @@ def main() -> None:
     print(machine_line())
     print(commit_line())
     print(f"model {runner.arch.architecture}, dtype {jnp.dtype(runner.dtype).name}, prompt {args.prompt_len} tokens, "
-          f"{args.steps} decode steps per batch size")
+          f"{args.steps} decode steps per batch size, async scheduling {'on' if args.async_scheduling else 'off'}")
     rows = []
     for b in args.batch:
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -154,12 +165,14 @@ def main() -> None:
             engine.step()
         engine.step()  # first decode step (every request now decodes)
         timer.times.clear()
-        timer.active = True
+        timer.active, last_get[0] = True, None
+        for _ in range(args.steps):
+            engine.step()
+        timer.active = False
         t0 = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
         wall = (time.perf_counter() - t0) / args.steps
-        timer.active = False
         assert len(sched.running) == b, f"only {len(sched.running)} of {b} requests run at once"
         t_bucket = max(last_model_args)
         a = last_model_args[t_bucket]
@@ -179,6 +192,7 @@ def main() -> None:
         means = {p: 1e3 * float(np.mean(timer.times[p])) if timer.times[p] else 0.0 for p in PHASES}
         host = sum(means[p] for p in ("schedule", "update_states", "prepare_inputs", "bookkeeping",
                                       "update_output", "process_outputs"))
+        host = (host, 1e3 * float(np.mean(timer.times["idle"])))
         rows.append((b, t_bucket, wall * 1e3, means, 1e3 * (with_attn - without_attn), 1e3 * with_attn, host))
         for i in range(b):
             engine.abort_request(f"b{b}-{i}")
@@ -192,7 +206,10 @@ def main() -> None:
         print(f"| {p} | " + " | ".join(f"{r[3][p]:.2f}" for r in rows) + " |")
         if p == "model_step":
             print("| (attention, by subtraction) | " + " | ".join(f"{r[4]:.2f} of {r[5]:.2f}" for r in rows) + " |")
-    print("| host total (schedule .. process_outputs, no device) | " + " | ".join(f"{r[6]:.2f}" for r in rows) + " |")
+    print("| host total (schedule .. process_outputs, no device) | " + " | ".join(f"{r[6][0]:.2f}" for r in rows)
+          + " |")
+    print("| device idle between steps (host on the critical path) | " + " | ".join(f"{r[6][1]:.2f}" for r in rows)
+          + " |")
     print("| step wall time | " + " | ".join(f"{r[2]:.2f}" for r in rows) + " |")
     print("| decode tokens/s | " + " | ".join(f"{r[0] / r[2] * 1e3:.0f}" for r in rows) + " |")
     roofline(runner, args.batch)

@@ -27,6 +27,8 @@ class SchedulerConfig:
     # long prompt cannot starve the others (vLLM's long_prefill_token_threshold).
     long_prefill_token_threshold: int = 0
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    # vLLM's --async-scheduling: step N + 1 is scheduled while step N runs on the device.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -273,3 +275,7 @@ class EngineConfig:
         if self.request_buckets and max(self.request_buckets) != sc.max_num_seqs:
             raise ValueError(f"request_buckets: the largest ({max(self.request_buckets)}) must equal "
                              f"max_num_seqs ({sc.max_num_seqs})")
+        # A step's drafts are proposed from the tokens of the step before, which async
+        # scheduling does not wait for (vLLM refused the pair too, at first).
+        if sc.async_scheduling and self.speculative_config is not None:
+            raise ValueError("async_scheduling does not work with speculative_config yet; use one or the other")

@@ -61,6 +61,7 @@ class Request:
         "num_cached_tokens", "num_preemptions", "max_tokens", "block_hashes",
         "_all_token_ids", "_output_token_ids", "_block_hasher", "structured_output_request",
         "spec_token_ids", "num_spec_drafted", "num_spec_accepted", "spec_disabled",
+        "num_output_placeholders",
     )
 
     def __init__(
@@ -106,6 +107,9 @@ class Request:
         self.num_spec_drafted = 0.0
         self.num_spec_accepted = 0.0
         self.spec_disabled = False
+        # Async scheduling: tokens of steps scheduled but not yet returned (each such step
+        # samples one); the scheduler counts them as already there.
+        self.num_output_placeholders = 0
 
     # --- tokens -----------------------------------------------------------------------
     @property

@@ -115,6 +115,10 @@ class EngineArgs:
         "Most tokens one prefill takes per step (0: no cap)."))
     scheduling_policy: str = field(default="fcfs", metadata=_arg(
         "Order of the waiting queue.", choices=tuple(p.value for p in SchedulingPolicy)))
+    async_scheduling: bool = field(default=False, metadata=_arg(
+        "Schedule the next step while the device runs this one, and process this step's outputs while the "
+        "next runs (host work off the critical path; a request that stops may compute one token in vain). "
+        "Steps with grammar-constrained requests run synchronously; not with speculative decoding."))
     # ------------------------------------------------------------------ parallelism
     tensor_parallel_size: int = field(default=1, metadata=_arg(
         "Devices to shard the model over (any multiple or divisor of the KV heads; the vocabulary is padded).",
@@ -229,7 +233,8 @@ class EngineArgs:
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
                 max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
-                long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.scheduling_policy),
+                long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.scheduling_policy,
+                async_scheduling=self.async_scheduling),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
                 enable_expert_parallel=self.enable_expert_parallel,

@@ -12,7 +12,9 @@ Threads:
 
 Abort (vLLM's semantics): ``abort(request_id)`` ends the caller's stream at once; the
 engine thread applies the abort between steps, so a request's KV blocks are freed only
-after the step that may still be writing them has finished.
+after the step that may still be writing them has finished (with async scheduling, after
+it was dispatched: the device runs steps in order, so a later step that reuses the blocks
+writes after it).
 """
 from __future__ import annotations
 

@@ -72,6 +72,8 @@ class EngineCore:
             for _ in range(pc.data_parallel_size)
         ]
         self.num_steps = 0  # steps that ran the model
+        # Async scheduling: (scheduler outputs, InflightStep) of the step the device runs.
+        self._inflight = None
         self.structured_output_manager: StructuredOutputManager | None = None
         self.fault_injector: FaultInjector | None = None  # tests and drills (engine/fault_injection.py)
 
@@ -119,7 +121,7 @@ class EngineCore:
         self._finish(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_work(self) -> bool:
-        return any(s.has_requests() for s in self.schedulers)
+        return self._inflight is not None or any(s.has_requests() for s in self.schedulers)
 
     def make_rank_stats(self) -> list[SchedulerStats]:
         """Each rank's stats (prefix-cache counters since the last call)."""
@@ -136,25 +138,82 @@ class EngineCore:
         return SpecDecodingStats.merged([s.spec_stats_total for s in self.schedulers])
 
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run and update: the outputs of one step. With async scheduling, the
+        outputs of the step before, while this one runs (see _step_async)."""
+        if self.config.scheduler_config.async_scheduling:
+            return self._step_async()
         outputs = [s.schedule() for s in self.schedulers]
         # Requests that ended inside schedule() (a grammar that failed to compile).
         results: list[EngineCoreOutput] = [o for s in self.schedulers for o in s.take_pending_outputs()]
-        if not any(so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids for so in outputs):
+        if not self._has_step(outputs):
             return results  # nothing for the runner to run or to forget
-        if self.fault_injector is not None:
-            self.fault_injector.before_step(self.num_steps + 1)
-        if self._channel is not None:
-            self._channel.publish(outputs)  # the followers run the same step
         t0 = time.perf_counter()
-        runner_outputs = self.model_runner.execute_model(outputs)
+        runner_outputs = self.model_runner.collect(self._dispatch(outputs))
         elapsed = time.perf_counter() - t0
-        self.num_steps += 1
         if self.config.speculative_config is not None:  # what drafts cost (spec_budget.py)
             num_tokens = max(so.total_num_scheduled_tokens for so in outputs)
             verified = any(so.scheduled_spec_decode_tokens for so in outputs)
             for sched in self.schedulers:
                 if sched.spec_budget is not None:
                     sched.spec_budget.record(num_tokens, verified, elapsed)
+        return results + self._update(outputs, runner_outputs)
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """vLLM's async scheduling: schedule step N + 1 while step N runs (running
+        requests count N's tokens as there: Request.num_output_placeholders), then fetch
+        N's tokens into the input batch, start N + 1, and only then update the schedulers
+        from N's outputs, so that this and the caller's output processing (detokenizing,
+        streaming) run while the device computes N + 1. What the device waits for
+        between two steps: N's bookkeeping and N + 1's inputs.
+
+        A request that N ends (a stop token) may be in N + 1 too: that token is dropped
+        (update_from_output skips finished requests) and its blocks are freed after N + 1
+        was dispatched; the device runs the steps in order, so a later step that reuses
+        them writes after N + 1. A grammar is advanced by N's tokens before N + 1's mask
+        can be computed: while a constrained request is in the engine, steps run one at a
+        time (the step in flight is finished first)."""
+        if self._inflight is not None and self._needs_sync():
+            results = self._finish_inflight()
+            return results + self._step_async()
+        outputs = [s.schedule() for s in self.schedulers]
+        results: list[EngineCoreOutput] = [o for s in self.schedulers for o in s.take_pending_outputs()]
+        previous, self._inflight = self._inflight, None
+        runner_outputs = self.model_runner.collect(previous[1]) if previous is not None else None
+        if self._has_step(outputs):
+            self._inflight = (outputs, self._dispatch(outputs))
+            if self._needs_sync():  # this step's own tokens decide the next grammar mask
+                results += self._finish_inflight()
+        if previous is not None:
+            results += self._update(previous[0], runner_outputs)
+        return results
+
+    def _finish_inflight(self) -> list[EngineCoreOutput]:
+        """Async scheduling: wait for the step in flight and apply its outputs."""
+        outputs, inflight = self._inflight
+        self._inflight = None
+        return self._update(outputs, self.model_runner.collect(inflight))
+
+    def _needs_sync(self) -> bool:
+        """A grammar-constrained request is in the engine (async scheduling pauses)."""
+        return self.structured_output_manager is not None and any(
+            r.structured_output_request is not None for s in self.schedulers for r in s.requests.values())
+
+    @staticmethod
+    def _has_step(outputs) -> bool:
+        return any(so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids for so in outputs)
+
+    def _dispatch(self, outputs):
+        """Start one step on the runner (published first to multi-host followers)."""
+        if self.fault_injector is not None:
+            self.fault_injector.before_step(self.num_steps + 1)
+        if self._channel is not None:
+            self._channel.publish(outputs)  # the followers run the same step
+        inflight = self.model_runner.dispatch(outputs)
+        self.num_steps += 1
+        return inflight
+
+    def _update(self, outputs, runner_outputs) -> list[EngineCoreOutput]:
+        results: list[EngineCoreOutput] = []
         for sched, so, ro in zip(self.schedulers, outputs, runner_outputs):
             results += sched.update_from_output(so, ro)
         return results

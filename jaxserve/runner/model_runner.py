@@ -91,6 +91,15 @@ class PreparedStep:
     sample_flags: np.ndarray | None = None
 
 
+@dataclasses.dataclass(slots=True)
+class InflightStep:
+    """A dispatched step (ModelRunner.dispatch) whose results are not fetched yet."""
+
+    step: PreparedStep
+    sampled: tuple  # the sampler's outputs (device arrays)
+    prompt_logprobs: tuple | None  # the prompt-logprobs program's outputs, if it ran
+
+
 def resolve_dtype(dtype: str, platform: str):
     if dtype in ("auto", None):
         return jnp.float32 if platform == "cpu" else jnp.bfloat16
@@ -456,13 +465,28 @@ class ModelRunner:
         """One step over every data-parallel rank (``outputs[r]``: rank r's scheduler
         output): apply the diffs, build the padded inputs, run the programs (one
         device_put, one device_get), record the sampled tokens. One output per rank."""
+        return self.collect(self.dispatch(outputs))
+
+    def dispatch(self, outputs: list[SchedulerOutput]) -> InflightStep | None:
+        """The first half of execute_model: apply the diffs, build the inputs and start
+        the programs; returns without waiting for the device (JAX dispatches
+        asynchronously). None when no rank has tokens to run. The step in flight must
+        be collected before the next dispatch: the next diff may reuse its rows."""
         assert len(outputs) == self.dp, f"{len(outputs)} scheduler outputs for {self.dp} ranks"
         for rank, so in enumerate(outputs):
             self._update_states(rank, so)
         if all(so.total_num_scheduled_tokens == 0 for so in outputs):
-            return [EMPTY_MODEL_RUNNER_OUTPUT] * self.dp
+            return None
         step = self._prepare_inputs(outputs)
-        sampled, logprobs, prompt_logprobs = self._dispatch(step)
+        return InflightStep(step, *self._dispatch(step))
+
+    def collect(self, inflight: InflightStep | None) -> list[ModelRunnerOutput]:
+        """The second half of execute_model: wait for the step's results (one
+        device_get), append the sampled tokens to the batch, propose the next drafts."""
+        if inflight is None:
+            return [EMPTY_MODEL_RUNNER_OUTPUT] * self.dp
+        step = inflight.step
+        sampled, logprobs, prompt_logprobs = self._fetch(inflight)
         results = [self._bookkeeping(rank, step.ranks[rank], sampled, logprobs, prompt_logprobs)
                    for rank in range(self.dp)]
         if self.draft is not None:
@@ -610,9 +634,9 @@ class ModelRunner:
             prompt_logprobs_end=lp_end), targets
 
     def _dispatch(self, step: PreparedStep):
-        """Run the step's programs: one device_put of every input, the model step (the
+        """Start the step's programs: one device_put of every input, the model step (the
         KV cache donated and replaced), the sampler, prompt logprobs if any row wants
-        them; one device_get of the results (numpy)."""
+        them -> (sampled, prompt logprobs or None), device arrays still being computed."""
         targets = step.prompt_logprobs_targets
         verify = isinstance(step.sample_key, VerifyKey)
         extra = (step.draft_token_ids, step.num_draft_tokens) if verify else (step.sample_flags,)
@@ -622,8 +646,15 @@ class ModelRunner:
         prompt_lp = None
         if targets is not None:
             prompt_lp = self._run(PromptLogprobsKey(step.model_key.num_tokens), self.state, hidden, targets)
-        sampled, prompt_lp = jax.device_get((sampled, prompt_lp))
-        if verify:
+        return sampled, prompt_lp
+
+    @staticmethod
+    def _fetch(inflight: InflightStep):
+        """Device -> host (one device_get) of a dispatched step's results, unpacked:
+        ((tokens [DP*Rb, S], num_emitted [DP*Rb]), (logprob ids, logprobs, ranks),
+        prompt logprobs or None)."""
+        sampled, prompt_lp = jax.device_get((inflight.sampled, inflight.prompt_logprobs))
+        if isinstance(inflight.step.sample_key, VerifyKey):
             tokens, num_emitted, lp_ids, lps, ranks = sampled
         else:  # one token per request: the same shapes with S = 1
             tokens, lp_ids, lps, ranks = sampled

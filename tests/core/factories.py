@@ -26,12 +26,12 @@ def make_request(req_id, prompt, *, block_size=16, max_tokens=16, hasher=True, p
 
 def make_scheduler(*, num_blocks=11, block_size=16, max_num_batched_tokens=8192, max_num_seqs=64,
                    max_model_len=8192, enable_prefix_caching=True, long_prefill_token_threshold=0,
-                   enable_chunked_prefill=True, policy="fcfs") -> Scheduler:
+                   enable_chunked_prefill=True, policy="fcfs", async_scheduling=False) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
-            enable_chunked_prefill=enable_chunked_prefill, policy=policy,
+            enable_chunked_prefill=enable_chunked_prefill, policy=policy, async_scheduling=async_scheduling,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         num_blocks,

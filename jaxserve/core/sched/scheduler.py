@@ -123,6 +123,9 @@ class Scheduler:
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.policy = scheduler_config.policy
+        # Schedule step N + 1 while step N runs (EngineCore): running requests count
+        # the tokens in flight (Request.num_output_placeholders).
+        self.async_scheduling = scheduler_config.async_scheduling
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks, self.block_size, self.max_model_len, cache_config.enable_prefix_caching,
@@ -217,8 +220,12 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
+            if request.num_output_placeholders and self._last_output_in_flight(request):
+                req_index += 1  # the step in flight samples its last token
+                continue
             num_new_tokens = self._clamp_long_prefill(
-                request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens)
+                request.num_tokens + request.num_output_placeholders + len(request.spec_token_ids)
+                - request.num_computed_tokens)
             num_new_tokens = min(num_new_tokens, token_budget)
             # Never compute a position at or past max_model_len.
             num_new_tokens = min(num_new_tokens, self.max_model_len - request.num_computed_tokens)
@@ -329,11 +336,24 @@ class Scheduler:
         # A request's computed count advances as soon as it is scheduled: its KV is
         # written by this step, and the next schedule() may run before the output is back.
         for req_id, n in num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            # Async scheduling: a request whose tokens this step reaches samples one, which
+            # the next schedule() counts as there before the output is back.
+            if self.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
         self.finished_req_ids = set()
         if self.check_invariants:
             self.assert_invariants()
         return scheduler_output
+
+    def _last_output_in_flight(self, request: Request) -> bool:
+        """Async scheduling: the tokens in flight end the request by length (max_tokens
+        or max_model_len), so scheduling it again would only compute a token to drop."""
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        return num_tokens >= self.max_model_len or (
+            request.max_tokens is not None
+            and request.num_output_tokens + request.num_output_placeholders >= request.max_tokens)
 
     def _grammar_ready(self, request: Request) -> bool:
         """A WAITING_FOR_FSM request whose grammar is compiled becomes WAITING. One whose
@@ -431,6 +451,9 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # A token still in flight is appended when its step returns (update_from_output),
+        # before the request can resume: it recomputes every token then.
+        request.num_output_placeholders = 0
         request.spec_token_ids = []  # it resumes by recomputing; drafting starts again after
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -458,6 +481,8 @@ class Scheduler:
             spec = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if spec and new_token_ids and not was_preempted:
                 self._roll_back_rejected(request, len(spec), len(new_token_ids) - 1)
+            if new_token_ids and request.num_output_placeholders:
+                request.num_output_placeholders -= 1  # async scheduling: its token is back
             if new_token_ids:
                 new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
                 if not stopped and request.structured_output_request is not None:
@@ -607,7 +632,7 @@ class Scheduler:
         for r in self.running:
             assert r.status == RequestStatus.RUNNING
             # Past num_tokens only by the draft tokens of the step just scheduled.
-            assert r.num_computed_tokens <= r.num_tokens + self.num_spec_tokens
+            assert r.num_computed_tokens <= r.num_tokens + r.num_output_placeholders + self.num_spec_tokens
             need = cdiv(min(r.num_computed_tokens, self.max_model_len), self.block_size)
             assert self.kv_cache_manager.num_blocks(r.request_id) >= need
         for r in self.waiting:
