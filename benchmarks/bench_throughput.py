@@ -3,11 +3,12 @@ prompts, ignore_eos, fixed output length.
 
     python benchmarks/bench_throughput.py --num-prompts 64 --input-len 128 --output-len 64 --temperature 0
 
-Against a peer on the same prompts (random token ids, lengths drawn with the seed), the
-peer run first in its own Python environment (benchmarks/peer_throughput.py):
+Against peers on the same prompts (random token ids, lengths drawn with the seed), each
+peer run first, one after the other, in its own Python environment
+(benchmarks/peer_throughput.py), then jaxserve; one table of all of them at the end:
 
-    python benchmarks/bench_throughput.py --input-len-range 32 256 --peer vllm --peer-python ../vllm-venv/bin/python
-    python benchmarks/bench_throughput.py --input-len-range 32 256 --peer hf   # torch from the test extra
+    python benchmarks/bench_throughput.py --input-len-range 32 256 --peer vllm hf \
+        --peer-python vllm=../vllm-venv/bin/python   # hf: this Python (torch from the test extra)
 """
 from __future__ import annotations
 
@@ -32,9 +33,12 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--input-len-range", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
                     help="prompt lengths drawn uniformly from [MIN, MAX] (instead of --input-len)")
-    ap.add_argument("--peer", choices=("vllm", "hf", "llamacpp"), default=None,
-                    help="also run these prompts through this engine (benchmarks/peer_throughput.py) and print the ratio")
-    ap.add_argument("--peer-python", default=sys.executable, help="the Python of the peer's environment")
+    ap.add_argument("--peer", choices=("vllm", "hf", "llamacpp"), nargs="+", default=[],
+                    help="also run these prompts through these engines (benchmarks/peer_throughput.py), first, "
+                         "and print the ratios")
+    ap.add_argument("--peer-python", nargs="+", default=[],
+                    help="the Python of the peers' environment: one path for all, or ENGINE=PATH each "
+                         "(default: this Python)")
     ap.add_argument("--peer-model", default=None,
                     help="the peer's model (default: the same HF folder; llamacpp: the default model's GGUF file)")
     ap.add_argument("--output-len", type=int, default=64)
@@ -49,6 +53,7 @@ def main() -> None:
     ap.add_argument("--no-compilation-cache", action="store_true", help="measure a cold warm-up")
     ap.add_argument("--no-scan-layers", action="store_true", help="unroll the decoder layers (scan_layers=False)")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--async-scheduling", action="store_true", help="the engine's --async-scheduling")
     args = ap.parse_args()
 
     from jaxserve import LLM, SamplingParams
@@ -58,13 +63,14 @@ def main() -> None:
     model_dir = Path(args.model) if args.model else default_model_dir()
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     token_prompts = make_prompts(args, vocab)
-    if args.peer:  # first, so the peer's start-up and run share nothing with ours
-        peer = run_peer(args, model_dir, token_prompts)
+    # First, so that the peers' start-up and runs share nothing with ours.
+    peers = [run_peer(args, name, model_dir, token_prompts) for name in args.peer]
     t0 = time.perf_counter()
     llm = LLM(str(model_dir), max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, dtype=args.dtype,
               quantization=args.quantization, compilation_cache=not args.no_compilation_cache,
-              scan_layers=not args.no_scan_layers, kv_cache_dtype=args.kv_cache_dtype)
+              scan_layers=not args.no_scan_layers, kv_cache_dtype=args.kv_cache_dtype,
+              async_scheduling=args.async_scheduling)
     startup = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": p} for p in token_prompts]
     sp = SamplingParams(temperature=args.temperature, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
@@ -77,7 +83,7 @@ def main() -> None:
     print(machine_line())
     print(commit_line())
     print(f"dtype {args.dtype}, quantization {args.quantization}, kv cache {args.kv_cache_dtype}, "
-          f"scan_layers {not args.no_scan_layers}, prompts {len(token_prompts)} of "
+          f"scan_layers {not args.no_scan_layers}, async scheduling {args.async_scheduling}, prompts {len(token_prompts)} of "
           f"{min(map(len, token_prompts))}-{max(map(len, token_prompts))} tokens, output {args.output_len}")
     print(f"startup (load + warm-up): {startup:.1f} s; warm-up {llm.llm_engine.warmup_seconds:.1f} s, "
           f"{llm.llm_engine.num_compiled_programs} programs")
@@ -85,11 +91,15 @@ def main() -> None:
           f"{output_tokens / elapsed:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {prompt_tokens}")
     print(f"Total num output tokens:  {output_tokens}")
-    if args.peer:
+    if peers:
         ours = output_tokens / elapsed
-        print(f"peer {peer['engine']} {peer['version']}: {peer['output_tokens_per_s']:.2f} output tokens/s "
-              f"({peer['output_tokens']} tokens in {peer['elapsed_s']:.1f} s), start-up {peer['startup_s']:.1f} s")
-        print(f"jaxserve / {peer['engine']}: {ours / peer['output_tokens_per_s']:.2f}x output tokens/s")
+        print("\n| engine | output tok/s | tokens in s | start-up (s) | jaxserve / engine |")
+        print("|---|---|---|---|---|")
+        print(f"| jaxserve | {ours:.2f} | {output_tokens} in {elapsed:.1f} | {startup:.1f} | |")
+        for peer in peers:
+            print(f"| {peer['engine']} {peer['version']} | {peer['output_tokens_per_s']:.2f} | "
+                  f"{peer['output_tokens']} in {peer['elapsed_s']:.1f} | {peer['startup_s']:.1f} | "
+                  f"{ours / peer['output_tokens_per_s']:.2f}x |")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({
             "elapsed_time": elapsed, "num_requests": len(outs), "total_num_tokens": total,
@@ -108,17 +118,24 @@ def make_prompts(args, vocab: int) -> list[list[int]]:
     return [rng.integers(100, vocab, n).tolist() for n in lens]
 
 
-def run_peer(args, model_dir: Path, prompts: list[list[int]]) -> dict:
-    """The peer on the same prompts, in its own process and environment."""
+def peer_python(args, name: str) -> str:
+    """--peer-python: ENGINE=PATH for this engine, else a plain PATH, else this Python."""
+    plain = [p for p in args.peer_python if "=" not in p]
+    named = dict(p.split("=", 1) for p in args.peer_python if "=" in p)
+    return named.get(name) or (plain[0] if plain else sys.executable)
+
+
+def run_peer(args, name: str, model_dir: Path, prompts: list[list[int]]) -> dict:
+    """The peer ``name`` on the same prompts, in its own process and environment."""
     import subprocess
     import tempfile
 
     from models.default_model import default_gguf_path
 
-    model = args.peer_model or (str(default_gguf_path()) if args.peer == "llamacpp" else str(model_dir))
+    model = args.peer_model or (str(default_gguf_path()) if name == "llamacpp" else str(model_dir))
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
-    cmd = [args.peer_python, str(Path(__file__).with_name("peer_throughput.py")), "--engine", args.peer,
+    cmd = [peer_python(args, name), str(Path(__file__).with_name("peer_throughput.py")), "--engine", name,
            "--model", model, "--prompts", f.name, "--output-len", str(args.output_len),
            "--batch-size", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
     print(f"Running the peer: {' '.join(cmd)}", flush=True)

@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--kv-cache-gib", type=int, default=4)
     ap.add_argument("--async-scheduling", action="store_true", help="the engine's --async-scheduling")
+    ap.add_argument("--no-scan-layers", action="store_true", help="unroll the decoder layers (scan_layers=False)")
     args = ap.parse_args()
 
     import jax
@@ -95,7 +96,7 @@ def main() -> None:
     llm = LLM(args.model, max_model_len=args.prompt_len + max_tokens + 16, max_num_seqs=max_b,
               max_num_batched_tokens=max(args.max_num_batched_tokens, max_b), dtype=args.dtype,
               kv_cache_memory=args.kv_cache_gib << 30,  # every batch size's requests fit at once
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, scan_layers=not args.no_scan_layers)
     engine = llm.llm_engine
     core = engine.engine_core
     sched, runner = core.schedulers[0], core.model_runner
@@ -155,7 +156,8 @@ def main() -> None:
     print(machine_line())
     print(commit_line())
     print(f"model {runner.arch.architecture}, dtype {jnp.dtype(runner.dtype).name}, prompt {args.prompt_len} tokens, "
-          f"{args.steps} decode steps per batch size, async scheduling {'on' if args.async_scheduling else 'off'}")
+          f"{args.steps} decode steps per batch size, async scheduling {'on' if args.async_scheduling else 'off'}, "
+          f"scan_layers {not args.no_scan_layers}")
     rows = []
     for b in args.batch:
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -164,8 +166,9 @@ def main() -> None:
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
             engine.step()
         engine.step()  # first decode step (every request now decodes)
-        timer.times.clear()
         timer.active, last_get[0] = True, None
+        engine.step()  # with async scheduling, this one fetches a step dispatched untimed
+        timer.times.clear()
         for _ in range(args.steps):
             engine.step()
         timer.active = False
