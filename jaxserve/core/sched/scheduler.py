@@ -340,7 +340,8 @@ class Scheduler:
             request.num_computed_tokens += n
             # Async scheduling: a request whose tokens this step reaches samples one, which
             # the next schedule() counts as there before the output is back.
-            if self.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+            in_flight = request.num_tokens + request.num_output_placeholders
+            if self.async_scheduling and request.num_computed_tokens >= in_flight:
                 request.num_output_placeholders += 1
         self.finished_req_ids = set()
         if self.check_invariants:
