@@ -172,11 +172,11 @@ class EngineCore:
         them writes after N + 1. A grammar is advanced by N's tokens before N + 1's mask
         can be computed: while a constrained request is in the engine, steps run one at a
         time (the step in flight is finished first)."""
-        if self._inflight is not None and self._needs_sync():
-            results = self._finish_inflight()
-            return results + self._step_async()
+        # A constrained request came in while a step ran: that step finishes first.
+        results: list[EngineCoreOutput] = (
+            self._finish_inflight() if self._inflight is not None and self._needs_sync() else [])
         outputs = [s.schedule() for s in self.schedulers]
-        results: list[EngineCoreOutput] = [o for s in self.schedulers for o in s.take_pending_outputs()]
+        results += [o for s in self.schedulers for o in s.take_pending_outputs()]
         previous, self._inflight = self._inflight, None
         runner_outputs = self.model_runner.collect(previous[1]) if previous is not None else None
         if self._has_step(outputs):
