@@ -104,7 +104,8 @@ def main() -> None:
     timer.wrap(sched, "schedule", "schedule")
     timer.wrap(runner, "_update_states", "update_states")
     timer.wrap(runner, "_prepare_inputs", "prepare_inputs")
-    timer.wrap(runner, "_put", "put", block=True)
+    timer.wrap(runner, "_put_packed", "put", block=True)
+    timer.wrap(runner, "_put", "put", block=True)  # token history / grammar bitmask, when used
     timer.wrap(runner, "_bookkeeping", "bookkeeping")
     timer.wrap(sched, "update_from_output", "update_output")
     timer.wrap(engine.output_processor, "process_outputs", "process_outputs")
@@ -141,14 +142,16 @@ def main() -> None:
     def no_attention(q, k, v, kv_cache, layer, md):
         return q, kv_cache
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def step_without_attention(state, kv_cache, input_ids, positions, md, logits_indices):
+    @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("layout",))
+    def step_without_attention(state, kv_cache, packed, *, layout):
+        input_ids, positions, md, _, _ = layout.unpack(packed)
         model = nnx.merge(runner.graphdef, state)
         hidden, kv_cache = model(input_ids, positions, kv_cache, md, no_attention)
         return hidden, kv_cache
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def step_with_attention(state, kv_cache, input_ids, positions, md, logits_indices):
+    @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("layout",))
+    def step_with_attention(state, kv_cache, packed, *, layout):
+        input_ids, positions, md, _, _ = layout.unpack(packed)
         model = nnx.merge(runner.graphdef, state)
         hidden, kv_cache = model(input_ids, positions, kv_cache, md, runner._attention)
         return hidden, kv_cache
@@ -187,7 +190,8 @@ def main() -> None:
             best = float("inf")
             for _ in range(6):
                 t0 = time.perf_counter()
-                _, runner.kv_cache = jax.block_until_ready(fn(state, runner.kv_cache, *rest))
+                _, runner.kv_cache = jax.block_until_ready(
+                    fn(state, runner.kv_cache, *rest, layout=runner._model_layout(t_bucket)))
                 best = min(best, time.perf_counter() - t0)
             return best
 

@@ -144,12 +144,13 @@ class InputBatch:
     def output_token_ids(self, i: int) -> list[int]:
         return self.token_ids[i, self.num_prompt_tokens[i] : self.num_tokens[i]].tolist()
 
-    def make_sampling_metadata(self, rows: np.ndarray, *, use_penalties: bool) -> SamplingMetadata:
+    def make_sampling_metadata(self, rows: np.ndarray, *, use_penalties: bool, bitmask: bool = True) -> SamplingMetadata:
         """The sampling arrays of ``rows`` ([R] row indices, padded to the request bucket
         with any row: padded rows' samples are dropped). The one place they are built,
         for serving and for the warm-up (whose rows are those of an empty batch).
         Without penalties the token history is a [R, 1] dummy (the penalty-free program
-        never reads it)."""
+        never reads it). bitmask=False leaves the grammar bitmask out (None): the runner
+        sends it only for steps with a constrained row."""
         num_out = self.num_tokens[rows] - self.num_prompt_tokens[rows]
         if use_penalties:
             history, total_lens = self.token_ids[rows], self.num_tokens[rows]
@@ -165,7 +166,7 @@ class InputBatch:
                                      -1).astype(np.int32),
             token_history=history, prompt_lens=self.num_prompt_tokens[rows], total_lens=total_lens.astype(np.int32),
             # Everything allowed; the runner writes the constrained rows' grammar masks.
-            allowed_token_bitmask=np.full((len(rows), self.bitmask_words), -1, np.int32),
+            allowed_token_bitmask=np.full((len(rows), self.bitmask_words), -1, np.int32) if bitmask else None,
         )
 
     def is_greedy(self, rows: np.ndarray) -> bool:

@@ -1,7 +1,8 @@
 """ModelRunner: the only host <-> device boundary.
 
 Per step: apply the SchedulerOutput diff to the InputBatch, build padded inputs
-with numpy (token bucket T, request bucket R), one device_put, the jitted model
+with numpy (token bucket T, request bucket R) in two int32 buffers (the model
+step's and the sampler's, runner/packed_inputs.py), one device_put, the jitted model
 step (keyed by T alone; KV cache donated), the jitted sampler (keyed by R alone),
 one device_get. Programs are a sum over buckets, not a product: per-request
 metadata of the model step has fixed maximum sizes (Rmax = max_num_seqs,
@@ -37,6 +38,7 @@ from jaxserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunn
 from jaxserve.runner.bucketing import BucketTable, default_buckets
 from jaxserve.runner.executable_cache import ExecutableCache, fingerprint
 from jaxserve.runner.input_batch import CachedRequestState, InputBatch
+from jaxserve.runner.packed_inputs import PackedLayout
 from jaxserve.runner.kv_cache import allocate_kv_cache, determine_num_blocks, kv_cache_layout, kv_cache_sharding
 from jaxserve.runner.program_key import DraftKey, ModelStepKey, ProgramKey, PromptLogprobsKey, SampleKey, VerifyKey
 from jaxserve.sample.metadata import SamplingMetadata
@@ -80,15 +82,19 @@ class PreparedStep:
 
     ranks: list[RankStep]
     model_key: ModelStepKey
-    # input_ids [DP*T], positions [DP*T], AttentionMetadata, logits_indices [DP*Rmax*S]
-    model_inputs: tuple
+    # The model step's inputs packed (ModelRunner._model_layout): input_ids [DP*T],
+    # positions [DP*T], AttentionMetadata, logits_indices [DP*Rmax*S] and the prompt
+    # logprobs targets [DP*T] (the token after each position)
+    model_buffer: np.ndarray
     sample_key: SampleKey | VerifyKey  # VerifyKey when some request has drafts
-    sampling_metadata: SamplingMetadata  # [DP*Rb] rows
-    prompt_logprobs_targets: np.ndarray | None  # [DP*T] int32: the token after each position
-    draft_token_ids: np.ndarray | None  # [DP*Rb, k] int32 (-1 padded), with a VerifyKey
-    num_draft_tokens: np.ndarray | None  # [DP*Rb] int32, with a VerifyKey
-    # [DP*2] bool: (every row greedy, plain) once per rank, the SampleKey program's run-time flags
-    sample_flags: np.ndarray | None = None
+    # The sampler's inputs packed (ModelRunner._sampler_layout): SamplingMetadata [DP*Rb]
+    # rows less its two wide arrays, then with a SampleKey the run-time flags [DP*2]
+    # (every row greedy, plain) once per rank; with a VerifyKey the drafts [DP*Rb, k]
+    # (-1 padded) and their counts [DP*Rb]
+    sampler_buffer: np.ndarray
+    token_history: np.ndarray | None  # [DP*Rb, L] int32 with penalties, else None
+    grammar_bitmask: np.ndarray | None  # [DP*Rb, W] int32 when a row is constrained, else None
+    prompt_logprobs: bool  # some row returns prompt logprobs: run their program
 
 
 @dataclasses.dataclass(slots=True)
@@ -260,7 +266,19 @@ class ModelRunner:
             x = x.reshape(dp, -1, s, x.shape[-1])[:, :rows]
             return x.reshape(-1, x.shape[-1]) if all_positions else x[:, :, 0].reshape(-1, x.shape[-1])
 
-        def model_step(state, kv_cache, input_ids, positions, md, logits_indices):
+        def unpack(layout: PackedLayout, packed):
+            """The packed buffer's arrays, each split over 'data' on axis 0 as the
+            ranks' slices (the buffer itself comes in replicated)."""
+            return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self._rows_sharding),
+                                layout.unpack(packed))
+
+        def sampling_metadata(layout, packed, history, bitmask):
+            """(SamplingMetadata, the rest of the packed sampler inputs)."""
+            smd, extra = unpack(layout, packed)
+            return dataclasses.replace(smd, token_history=history, allowed_token_bitmask=bitmask), extra
+
+        def model_step(state, kv_cache, packed, *, layout):
+            input_ids, positions, md, logits_indices, _ = unpack(layout, packed)
             model = nnx.merge(graphdef, state)
             hidden, kv_cache = model(input_ids, positions, kv_cache, md, self._attention)
             # Each rank's last-token rows, by its local indices [DP, Rmax] into its [T].
@@ -268,22 +286,25 @@ class ModelRunner:
             last = jnp.take_along_axis(by_rank, logits_indices.reshape(dp, -1, 1), axis=1)
             return hidden, last.reshape(-1, hidden.shape[-1]), kv_cache
 
-        def sample_step(state, hidden_last, smd, flags, *, num_reqs, use_penalties):
-            """flags: [DP*2] bool, (greedy_only, plain) of the whole step once per rank."""
+        def sample_step(state, hidden_last, packed, history, bitmask, *, layout, num_reqs, use_penalties):
+            """flags: [DP*2], (greedy_only, plain) of the whole step once per rank."""
+            smd, (flags,) = sampling_metadata(layout, packed, history, bitmask)
             model = nnx.merge(graphdef, state)
             logits = model.compute_logits(per_rank_rows(hidden_last, num_reqs))
-            flags = flags.reshape(dp, 2)
+            flags = flags.reshape(dp, 2) != 0
             return sample(logits, smd, greedy_only=jnp.all(flags[:, 0]), use_penalties=use_penalties,
                           num_logprobs=self.max_logprobs, plain=jnp.all(flags[:, 1]))
 
-        def verify_step(state, hidden_last, smd, draft_token_ids, num_draft_tokens, *, num_reqs, greedy_only,
+        def verify_step(state, hidden_last, packed, history, bitmask, *, layout, num_reqs, greedy_only,
                         use_penalties):
+            smd, (draft_token_ids, num_draft_tokens) = sampling_metadata(layout, packed, history, bitmask)
             model = nnx.merge(graphdef, state)
             logits = model.compute_logits(per_rank_rows(hidden_last, num_reqs, all_positions=True))
             return rejection_sample(logits, draft_token_ids, num_draft_tokens, smd, greedy_only=greedy_only,
                                     use_penalties=use_penalties, num_logprobs=self.max_logprobs)
 
-        def prompt_logprobs_step(state, hidden, targets):
+        def prompt_logprobs_step(state, hidden, packed, *, layout):
+            targets = unpack(layout, packed)[-1]
             model = nnx.merge(graphdef, state)
             logits = model.compute_logits(hidden)
             return compute_logprobs(logits, targets, self.max_logprobs)
@@ -293,17 +314,69 @@ class ModelRunner:
         # P(None, 'data', None, 'model', None)), and the next call of a bucket compiled
         # with the old spelling lowers it again.
         self._jitted = {
-            ModelStepKey: jax.jit(model_step, donate_argnums=(1,),
+            ModelStepKey: jax.jit(model_step, donate_argnums=(1,), static_argnames=("layout",),
                                   out_shardings=(None, None, kv_cache_sharding(self.mesh))),
-            SampleKey: jax.jit(sample_step, static_argnames=("num_reqs", "use_penalties"),
+            SampleKey: jax.jit(sample_step, static_argnames=("layout", "num_reqs", "use_penalties"),
                                out_shardings=self._replicated),
-            PromptLogprobsKey: jax.jit(prompt_logprobs_step, out_shardings=self._replicated),
-            VerifyKey: jax.jit(verify_step, static_argnames=("num_reqs", "greedy_only", "use_penalties"),
+            PromptLogprobsKey: jax.jit(prompt_logprobs_step, static_argnames=("layout",),
+                                       out_shardings=self._replicated),
+            VerifyKey: jax.jit(verify_step, static_argnames=("layout", "num_reqs", "greedy_only", "use_penalties"),
                                out_shardings=self._replicated),
         }
         # Executables compiled ahead of time by warmup(), by program key; the jitted
         # functions above serve any key not in here (enforce_eager).
         self._executables: dict[ProgramKey, jax.stages.Compiled] = {}
+        # Device constants standing in for the sampler's wide inputs when a step does not
+        # use them, by rows (DP*Rb): (token history [rows, 1], all-allowed grammar bitmask).
+        self._unused_wide: dict[int, tuple[jax.Array, jax.Array]] = {}
+        self._layouts: dict = {}  # packed-input layouts, by token bucket / (request bucket, verify)
+
+    def _model_layout(self, t: int) -> PackedLayout:
+        """Where the model step's inputs of token bucket ``t`` sit in its packed buffer."""
+        layout = self._layouts.get(t)
+        if layout is None:
+            layout = self._layouts[t] = PackedLayout.of(self._model_inputs(t))
+        return layout
+
+    def _sampler_layout(self, key: SampleKey | VerifyKey) -> PackedLayout:
+        """Where the sampler's inputs of ``key`` sit in its packed buffer: the request
+        bucket's SamplingMetadata less its two wide arrays (passed on their own), then
+        the flags (SampleKey) or the drafts and their counts (VerifyKey)."""
+        lkey = (key.num_reqs, isinstance(key, VerifyKey))
+        layout = self._layouts.get(lkey)
+        if layout is None:
+            n = self.dp * key.num_reqs
+            smd = self.input_batch.make_sampling_metadata(np.zeros(n, np.int64), use_penalties=False, bitmask=False)
+            smd = dataclasses.replace(smd, token_history=None)
+            extra = ((np.zeros((n, self.num_spec), np.int32), np.zeros(n, np.int32)) if lkey[1]
+                     else (np.zeros(2 * self.dp, np.int32),))
+            layout = self._layouts[lkey] = PackedLayout.of((smd, extra))
+        return layout
+
+    def _static_args(self, key: ProgramKey) -> dict:
+        """A program's static arguments: its key's and its inputs' packed layout."""
+        if isinstance(key, (ModelStepKey, PromptLogprobsKey)):
+            return {**key.static_args(), "layout": self._model_layout(key.num_tokens)}
+        if isinstance(key, (SampleKey, VerifyKey)):
+            return {**key.static_args(), "layout": self._sampler_layout(key)}
+        return key.static_args()
+
+    def _unused_wide_inputs(self, rows: int) -> tuple[jax.Array, jax.Array]:
+        """(token history [rows, 1] zeros, grammar bitmask [rows, W] all ones) on the
+        device, made once: a step without penalties or grammars sends neither (the
+        bitmask alone is 1.5 MB at 256 rows)."""
+        wide = self._unused_wide.get(rows)
+        if wide is None:
+            wide = self._unused_wide[rows] = self._put((
+                np.zeros((rows, 1), np.int32), np.full((rows, self.input_batch.bitmask_words), -1, np.int32)))
+        return wide
+
+    def _put_packed(self, *buffers: np.ndarray) -> tuple[jax.Array, ...]:
+        """Packed input buffers -> device, replicated (each program slices its ranks'
+        arrays out of it and splits them over 'data')."""
+        if self._multihost:
+            return tuple(global_array(b, self._replicated) for b in buffers)
+        return jax.device_put(buffers, self._replicated)
 
     def _put(self, tree):
         """Host arrays -> device, each split over 'data' on axis 0 (its ranks' slices).
@@ -318,7 +391,7 @@ class ModelRunner:
         """Run the program ``key`` names: the warm-up's executable (its static arguments
         baked in), else the jitted function."""
         exe = self._executables.get(key)
-        return exe(*args) if exe is not None else self._jitted[type(key)](*args, **key.static_args())
+        return exe(*args) if exe is not None else self._jitted[type(key)](*args, **self._static_args(key))
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self) -> float:
@@ -411,18 +484,15 @@ class ModelRunner:
                 hidden, hidden_last, _ = step.result().out_info
                 pending.append(compile_async(PromptLogprobsKey(key.num_tokens), self._lower(
                     PromptLogprobsKey(key.num_tokens), self.state, hidden,
-                    self._put(np.zeros(self.dp * key.num_tokens, np.int32)))))
+                    *self._put_packed(self._model_layout(key.num_tokens).allocate()[0]))))
             for key in samplers:
-                rows = np.zeros(key.num_reqs, np.int64)  # rows of the empty batch: neutral values
-                smd = self.input_batch.make_sampling_metadata(rows, use_penalties=key.use_penalties)
-                smd = jax.tree.map(lambda x: np.concatenate([x] * self.dp), smd)
-                args = (smd,)
-                if isinstance(key, VerifyKey):
-                    args += (np.full((self.dp * key.num_reqs, self.num_spec), -1, np.int32),
-                             np.zeros(self.dp * key.num_reqs, np.int32))
-                else:
-                    args += (np.zeros(2 * self.dp, np.bool_),)  # the run-time flags (greedy_only, plain)
-                pending.append(compile_async(key, self._lower(key, self.state, hidden_last, *self._put(args))))
+                # Zeros: the programs are compiled, not run, so only types matter.
+                rows = self.dp * key.num_reqs
+                history, bitmask = self._unused_wide_inputs(rows)
+                if key.use_penalties:
+                    history = self._put(np.zeros((rows, self.input_batch.token_ids.shape[1]), np.int32))
+                packed = self._put_packed(self._sampler_layout(key).allocate()[0])
+                pending.append(compile_async(key, self._lower(key, self.state, hidden_last, *packed, history, bitmask)))
             for f in pending:
                 f.result()  # re-raises a failed compile here
 
@@ -435,20 +505,20 @@ class ModelRunner:
         """The model step of token bucket ``num_tokens``, lowered with serving's input
         types (for the warm-up, and to inspect a bucket's HLO)."""
         return self._lower(ModelStepKey(num_tokens), self.state, self.kv_cache,
-                           *self._put(self._model_inputs(num_tokens)))
+                           *self._put_packed(self._model_layout(num_tokens).allocate()[0]))
 
     def _lower(self, key: ProgramKey, *args) -> jax.stages.Lowered:
-        return self._jitted[type(key)].lower(*args, **key.static_args())
+        return self._jitted[type(key)].lower(*args, **self._static_args(key))
 
     def _model_inputs(self, t: int):
         """Zeroed model-step inputs for token bucket ``t``, every rank's one after the
         other: (input_ids [DP*T], positions [DP*T], AttentionMetadata, logits_indices
-        [DP*Rmax*S]). Per-request arrays have the fixed maximum sizes (Rmax, Pmax), so the
-        backbone's programs depend on T alone; zeros are safe padding (slot 0 is the null
-        block, num_seqs 0 masks every row)."""
+        [DP*Rmax*S], prompt logprobs targets [DP*T]). Per-request arrays have the fixed
+        maximum sizes (Rmax, Pmax), so the backbone's programs depend on T alone; zeros
+        are safe padding (slot 0 is the null block, num_seqs 0 masks every row)."""
         r, dp = self.max_num_reqs, self.dp
         return (np.zeros(dp * t, np.int32), np.zeros(dp * t, np.int32), self.empty_attention_metadata(t),
-                np.zeros(dp * r * self.rows_per_req, np.int32))
+                np.zeros(dp * r * self.rows_per_req, np.int32), np.zeros(dp * t, np.int32))
 
     def empty_attention_metadata(self, t: int) -> AttentionMetadata:
         """Zeroed AttentionMetadata of token bucket ``t``, every rank's one after the other
@@ -539,7 +609,8 @@ class ModelRunner:
         rank gets the same buckets: the largest rank's token count and request count."""
         t_pad = self.token_buckets(max(so.total_num_scheduled_tokens for so in outputs))
         r_pad = self.request_buckets(max(len(so.num_scheduled_tokens) for so in outputs))
-        input_ids, positions, md, logits_indices = self._model_inputs(t_pad)
+        # Written in place: views of the packed buffer.
+        model_buffer, (input_ids, positions, md, logits_indices, lp_targets) = self._model_layout(t_pad).allocate()
         rmax = self.max_num_reqs
         ranks = [list(so.num_scheduled_tokens) for so in outputs]
         rows = [np.fromiter((ib.req_id_to_index[r] for r in ids), np.int64, len(ids))
@@ -548,7 +619,9 @@ class ModelRunner:
         use_penalties = any(ib.uses_penalties(r) for ib, r in zip(self.input_batches, rows))
         plain = not any(ib.wants_logprobs[r].any() for ib, r in zip(self.input_batches, rows)) and \
             all(so.grammar_bitmask is None for so in outputs)
-        rank_steps, smds, lp_targets = [], [], None
+        rank_steps, smds, any_prompt_logprobs = [], [], False
+        grammar = any(so.grammar_bitmask is not None for so in outputs)
+        bitmask = np.full((self.dp * r_pad, self.input_batch.bitmask_words), -1, np.int32) if grammar else None
         s = self.rows_per_req
         verify = any(so.scheduled_spec_decode_tokens for so in outputs)
         drafts = np.full((self.dp * r_pad, self.num_spec), -1, np.int32) if verify else None
@@ -569,28 +642,27 @@ class ModelRunner:
             md.num_seqs[rank] = len(req_ids)
             rank_steps.append(step)
             if targets is not None:
-                if lp_targets is None:
-                    lp_targets = np.zeros(self.dp * t_pad, np.int32)
+                any_prompt_logprobs = True
                 lp_targets[rank * t_pad:rank * t_pad + len(targets)] = targets
             # Sampling rows, padded to the request bucket (padded rows repeat row 0; dropped).
             prow = np.zeros(r_pad, np.int64)
             prow[:len(rws)] = rws
-            smd_rank = ib.make_sampling_metadata(prow, use_penalties=use_penalties)
+            smds.append(ib.make_sampling_metadata(prow, use_penalties=use_penalties, bitmask=False))
             if so.grammar_bitmask is not None:
                 # Each constrained request's mask goes to its sampling row (its index in req_ids).
                 index = {r: i for i, r in enumerate(req_ids)}
                 at = np.fromiter((index[r] for r in so.structured_output_request_ids), np.int64,
                                  len(so.structured_output_request_ids))
-                smd_rank.allowed_token_bitmask[at] = so.grammar_bitmask
-            smds.append(smd_rank)
+                bitmask[rank * r_pad + at] = so.grammar_bitmask
         smd = smds[0] if self.dp == 1 else jax.tree.map(lambda *xs: np.concatenate(xs), *smds)
         # Verification keeps its logprobs (one program set; drafts are a minority case).
         sample_key = VerifyKey(r_pad, greedy, use_penalties) if verify else SampleKey(r_pad, use_penalties)
+        extra = (drafts, num_drafts) if verify else (np.array([greedy, plain] * self.dp, np.int32),)
+        sampler_buffer = self._sampler_layout(sample_key).pack((dataclasses.replace(smd, token_history=None), extra))
         return PreparedStep(
-            ranks=rank_steps, model_key=ModelStepKey(t_pad), model_inputs=(input_ids, positions, md, logits_indices),
-            sample_key=sample_key, sampling_metadata=smd, prompt_logprobs_targets=lp_targets,
-            draft_token_ids=drafts, num_draft_tokens=num_drafts,
-            sample_flags=np.array([greedy, plain] * self.dp, np.bool_))
+            ranks=rank_steps, model_key=ModelStepKey(t_pad), model_buffer=model_buffer, sample_key=sample_key,
+            sampler_buffer=sampler_buffer, token_history=smd.token_history if use_penalties else None,
+            grammar_bitmask=bitmask, prompt_logprobs=any_prompt_logprobs)
 
     def _prepare_rank(self, so, ib: InputBatch, req_ids, rows, input_ids, positions, slot_mapping, seq_lens, cu,
                       block_tables, logits_indices) -> tuple[RankStep, np.ndarray | None]:
@@ -634,18 +706,20 @@ class ModelRunner:
             prompt_logprobs_end=lp_end), targets
 
     def _dispatch(self, step: PreparedStep):
-        """Start the step's programs: one device_put of every input, the model step (the
-        KV cache donated and replaced), the sampler, prompt logprobs if any row wants
-        them -> (sampled, prompt logprobs or None), device arrays still being computed."""
-        targets = step.prompt_logprobs_targets
-        verify = isinstance(step.sample_key, VerifyKey)
-        extra = (step.draft_token_ids, step.num_draft_tokens) if verify else (step.sample_flags,)
-        model_inputs, smd, targets, extra = self._put((step.model_inputs, step.sampling_metadata, targets, extra))
-        hidden, hidden_last, self.kv_cache = self._run(step.model_key, self.state, self.kv_cache, *model_inputs)
-        sampled = self._run(step.sample_key, self.state, hidden_last, smd, *extra)
+        """Start the step's programs: one device_put of the two packed buffers (and of the
+        token history / grammar bitmask when the step uses them), the model step (the KV
+        cache donated and replaced), the sampler, prompt logprobs if any row wants them
+        -> (sampled, prompt logprobs or None), device arrays still being computed."""
+        model_buffer, sampler_buffer = self._put_packed(step.model_buffer, step.sampler_buffer)
+        history, bitmask = self._unused_wide_inputs(self.dp * step.sample_key.num_reqs)
+        if step.token_history is not None or step.grammar_bitmask is not None:
+            history, bitmask = (x if h is None else self._put(h) for x, h in
+                                ((history, step.token_history), (bitmask, step.grammar_bitmask)))
+        hidden, hidden_last, self.kv_cache = self._run(step.model_key, self.state, self.kv_cache, model_buffer)
+        sampled = self._run(step.sample_key, self.state, hidden_last, sampler_buffer, history, bitmask)
         prompt_lp = None
-        if targets is not None:
-            prompt_lp = self._run(PromptLogprobsKey(step.model_key.num_tokens), self.state, hidden, targets)
+        if step.prompt_logprobs:
+            prompt_lp = self._run(PromptLogprobsKey(step.model_key.num_tokens), self.state, hidden, model_buffer)
         return sampled, prompt_lp
 
     @staticmethod
