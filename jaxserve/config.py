@@ -264,6 +264,8 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None
     request_buckets: tuple[int, ...] | None = None
     enforce_eager: bool = False  # skip the start-up warm-up
+    # Serve once the smallest buckets are compiled; compile the rest on a thread.
+    background_warmup: bool = False
 
     def __post_init__(self) -> None:
         # Checked here, not when a step first needs a missing bucket in the middle of serving.

@@ -40,6 +40,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "serve", help="Start the OpenAI-compatible API server.",
         description="Start the OpenAI-compatible API server (vLLM's argument names).")
     EngineArgs.add_cli_args(p)
+    # A server answers sooner and compiles its larger steps while it serves.
+    p.set_defaults(background_warmup=True)
     server = p.add_argument_group("server arguments")
     server.add_argument("--host", default="127.0.0.1", help="Host to bind (default: %(default)s).")
     server.add_argument("--port", type=int, default=8000, help="Port to bind (default: %(default)s).")

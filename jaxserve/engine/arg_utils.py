@@ -148,6 +148,10 @@ class EngineArgs:
         '"num_speculative_tokens": 4}\'.'))
     # ------------------------------------------------------------------ compilation
     enforce_eager: bool = field(default=False, metadata=_arg("Skip the start-up warm-up (compile on demand)."))
+    background_warmup: bool = field(default=False, metadata=_arg(
+        "Start serving once the programs of the smallest steps are compiled and compile the others on a "
+        "thread, smallest first; until then steps hold fewer tokens (long prompts take more chunks). "
+        "Default on for `serve`. Not with speculative decoding, multi-host or without chunked prefill."))
     token_buckets: list[int] | None = field(default=None, metadata=_arg(
         "Padded token counts the step compiles for (default: powers of two from 16 up to "
         "max_num_batched_tokens, and 1 on a CPU)."))
@@ -245,6 +249,7 @@ class EngineArgs:
             speculative_config=(SpeculativeConfig.from_dict(self.speculative_config)
                                 if self.speculative_config is not None else None),
             enforce_eager=self.enforce_eager,
+            background_warmup=self.background_warmup,
             token_buckets=tuple(self.token_buckets) if self.token_buckets else None,
             request_buckets=tuple(self.request_buckets) if self.request_buckets else None,
         )

@@ -47,7 +47,7 @@ class EngineCore:
             self.model_runner = ModelRunner(config, model_path, progress=progress)
             self.warmup_seconds = 0.0
             if not config.enforce_eager:
-                self.warmup_seconds = self.model_runner.warmup()
+                self.warmup_seconds = self.model_runner.warmup(background=config.background_warmup)
             if is_multihost():
                 self._channel = StepChannel()
         except Exception:
@@ -84,12 +84,14 @@ class EngineCore:
             sched.structured_output_manager = manager
 
     def shutdown(self) -> None:
-        """Multi-host: tell the followers to exit (0). Idempotent; also run at exit."""
+        """Multi-host: tell the followers to exit (0); stop a background warm-up.
+        Idempotent; also run at exit."""
         if self._channel is not None:
             channel, self._channel = self._channel, None
             channel.close()
         if self.structured_output_manager is not None:
             self.structured_output_manager.shutdown()
+        self.model_runner.stop_warmup()
 
     @property
     def scheduler(self) -> Scheduler:
@@ -142,7 +144,7 @@ class EngineCore:
         outputs of the step before, while this one runs (see _step_async)."""
         if self.config.scheduler_config.async_scheduling:
             return self._step_async()
-        outputs = [s.schedule() for s in self.schedulers]
+        outputs = self._schedule()
         # Requests that ended inside schedule() (a grammar that failed to compile).
         results: list[EngineCoreOutput] = [o for s in self.schedulers for o in s.take_pending_outputs()]
         if not self._has_step(outputs):
@@ -175,7 +177,7 @@ class EngineCore:
         # A constrained request came in while a step ran: that step finishes first.
         results: list[EngineCoreOutput] = (
             self._finish_inflight() if self._inflight is not None and self._needs_sync() else [])
-        outputs = [s.schedule() for s in self.schedulers]
+        outputs = self._schedule()
         results += [o for s in self.schedulers for o in s.take_pending_outputs()]
         previous, self._inflight = self._inflight, None
         runner_outputs = self.model_runner.collect(previous[1]) if previous is not None else None
@@ -186,6 +188,14 @@ class EngineCore:
         if previous is not None:
             results += self._update(previous[0], runner_outputs)
         return results
+
+    def _schedule(self):
+        """Every rank's SchedulerOutput, within the steps the runner has compiled (a
+        background warm-up may not have reached the largest yet)."""
+        budget = min(self.config.scheduler_config.max_num_batched_tokens, self.model_runner.ready_tokens)
+        for sched in self.schedulers:
+            sched.max_num_scheduled_tokens = budget
+        return [s.schedule() for s in self.schedulers]
 
     def _finish_inflight(self) -> list[EngineCoreOutput]:
         """Async scheduling: wait for the step in flight and apply its outputs."""

@@ -16,9 +16,11 @@ with the number of ranks.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -132,6 +134,10 @@ def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1) -> Mesh:
                          axis_types=(AxisType.Auto, AxisType.Auto), devices=devices[:n])
 
 
+class _WarmupStopped(Exception):
+    """A background warm-up told to stop (ModelRunner.stop_warmup)."""
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, *, progress: bool = True) -> None:
         self.config = config
@@ -170,6 +176,8 @@ class ModelRunner:
         self.progress = progress
         self.model_path = model_path
         self.warmup_from_cache = False  # set by warmup(): the programs came from the executable cache
+        self._warmup_thread: threading.Thread | None = None  # a background warm-up (warmup(background=True))
+        self._warmup_stop = threading.Event()
         self.dp = pc.data_parallel_size
         self.mesh = make_mesh(pc.tensor_parallel_size, self.dp)
         # Every step input is the ranks' arrays one after the other on axis 0, split over
@@ -195,6 +203,10 @@ class ModelRunner:
         self._single_buckets = self.platform == "cpu"
         self.token_buckets = BucketTable(config.token_buckets or default_buckets(
             MIN_TOKEN_BUCKET, self.max_num_tokens, single=self._single_buckets))
+        # The most tokens a step may hold now: all of them, except during a background
+        # warm-up (the largest step whose programs are compiled; the engine caps its
+        # schedulers' token budgets at it).
+        self.ready_tokens = self.token_buckets.max
         if spec is not None and spec.method == "draft_model":
             from jaxserve.spec_decode.draft_model import DraftModelProposer
 
@@ -394,15 +406,15 @@ class ModelRunner:
         return exe(*args) if exe is not None else self._jitted[type(key)](*args, **self._static_args(key))
 
     # ------------------------------------------------------------------ warm-up
-    def warmup(self) -> float:
-        """Compile every program the step can use, ahead of time; returns seconds spent.
+    def warmup(self, *, background: bool = False) -> float:
+        """Compile every program the step can use, ahead of time; returns the seconds
+        spent before the engine can serve.
 
         Programs are lowered and compiled without running them (running the big
         prefill buckets on dummy inputs cost more than compiling them on a CPU, and
-        nothing with the persistent compilation cache). Inputs come from the same
-        places as in execute_model (the padded arrays of _prepare_inputs through
-        _put, the model step's own output types for the hidden states), so shapes,
-        dtypes and shardings match what serving passes to the executables.
+        nothing with the persistent compilation cache), from the abstract types of
+        what serving passes them (the packed buffers' layouts, the live weights' and
+        KV cache's shardings, the model step's own output types for the hidden states).
 
         Programs compile on a pool of one thread per core while this thread traces and
         lowers the next ones (the model steps first: their outputs type the samplers'
@@ -411,14 +423,19 @@ class ModelRunner:
         cache 10.8 -> 8.2 s on the 2-core CI VM, cold 67 -> 60 s.
         With JAX's persistent cache on, the executables are also saved whole
         (runner/executable_cache.py) and a later start with the same fingerprint loads
-        them without tracing anything."""
+        them without tracing anything.
+
+        background=True (``--background-warmup``, serve's default): only the first
+        stage of _warmup_stages (the programs of steps of at most MIN_TOKEN_BUCKET
+        tokens) compiles before this returns; the other stages compile on a thread,
+        smallest first, while the engine serves. ``ready_tokens`` is the largest step
+        every compiled stage covers, and the engine caps each step's token budget at it
+        (long prompts take more chunks meanwhile), so no step waits for a compile or
+        starts one. Every program compiles before serving with speculative decoding,
+        multi-host or without chunked prefill (a whole prompt must fit in a step)."""
         t0 = time.perf_counter()
-        steps = [ModelStepKey(t) for t in self.token_buckets]
-        drafts = [DraftKey(t) for t in self.draft.buckets] if self.draft is not None else []
-        samplers: list[ProgramKey] = [SampleKey(r, p) for r in self.request_buckets for p in (False, True)]
-        if self.num_spec:
-            samplers += [VerifyKey(r, g, p) for r in self.request_buckets for g in (True, False) for p in (False, True)]
-        keys = steps + [PromptLogprobsKey(k.num_tokens) for k in steps] + drafts + samplers
+        stages = self._warmup_stages()
+        keys = [k for stage in stages for k in stage]
         cache = self._executable_cache()
         loaded = cache.load(keys) if cache is not None else None
         if loaded is not None:
@@ -434,10 +451,54 @@ class ModelRunner:
                 hits.append(event)
 
         jax.monitoring.register_event_listener(on_event)
+        sc = self.config.scheduler_config
+        if not background or self.num_spec or self._multihost or not sc.enable_chunked_prefill:
+            stages = [keys]
+        self.ready_tokens = 0  # nothing may run until the first stage is in
         try:
-            self._compile_all(steps, drafts, samplers)
-        finally:
+            self._compile_stage(stages[0], "Warm-up (compiling buckets)")
+        except BaseException:
             jax.monitoring.unregister_event_listener(on_event)
+            raise
+        self.ready_tokens = self._stage_tokens(stages[0])
+        if len(stages) == 1:
+            self._warmup_done(cache, hits, on_event, t0)
+            return time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        rest = stages[1:]
+        logger.info("Warm-up compiled %d programs in %.1f s: serving steps of up to %d tokens while %d more "
+                    "compile in the background", len(stages[0]), dt, self.ready_tokens, sum(map(len, rest)))
+        self._warmup_thread = threading.Thread(target=self._warm_up_rest, args=(rest, cache, hits, on_event, t0),
+                                               name="jaxserve-warmup", daemon=True)
+        # A process that exits meanwhile stops it first (a daemon thread frozen in the
+        # middle of an XLA compile can crash the interpreter's exit).
+        atexit.register(self.stop_warmup)
+        self._warmup_thread.start()
+        return dt
+
+    def _warm_up_rest(self, stages: list[list[ProgramKey]], cache, hits, on_event, t0: float) -> None:
+        """The background warm-up thread: each stage compiled, then its steps allowed."""
+        try:
+            for stage in stages:
+                self._compile_stage(stage, None)
+                self.ready_tokens = self._stage_tokens(stage)
+            self._warmup_done(cache, hits, on_event, t0)
+        except _WarmupStopped:
+            jax.monitoring.unregister_event_listener(on_event)
+        except BaseException:  # the engine goes on serving with the stages it has
+            jax.monitoring.unregister_event_listener(on_event)
+            logger.exception("Background warm-up failed; steps stay at most %d tokens", self.ready_tokens)
+        finally:
+            atexit.unregister(self.stop_warmup)
+
+    def stop_warmup(self) -> None:
+        """Stop a background warm-up: the compiles under way finish, no other starts."""
+        self._warmup_stop.set()
+        if self._warmup_thread is not None:
+            self._warmup_thread.join()
+
+    def _warmup_done(self, cache, hits, on_event, t0: float) -> None:
+        jax.monitoring.unregister_event_listener(on_event)
         if cache is not None and hits:
             # An executable read from JAX's persistent cache serializes without its
             # kernels' object code (XLA:CPU, jax 0.10: loading it fails at the first
@@ -446,9 +507,89 @@ class ModelRunner:
             logger.info("Executable cache not written: %d programs came from JAX's compilation cache", len(hits))
         elif cache is not None:
             cache.save(self._executables)
-        dt = time.perf_counter() - t0
-        logger.info("Warm-up compiled %d programs in %.1f s", self.num_compiled_programs, dt)
-        return dt
+        logger.info("Warm-up compiled %d programs in %.1f s", self.num_compiled_programs, time.perf_counter() - t0)
+
+    def wait_for_warmup(self, timeout: float | None = None) -> bool:
+        """Block until a background warm-up has compiled everything; True when done."""
+        if self._warmup_thread is not None:
+            self._warmup_thread.join(timeout)
+            return not self._warmup_thread.is_alive()
+        return True
+
+    def _warmup_stages(self) -> list[list[ProgramKey]]:
+        """Every program, in stages a step can be served by: stage i holds what a step of
+        at most T_i tokens (token bucket i) needs beyond the earlier stages: the model
+        step and prompt logprobs of T_i, the samplers of the request buckets up to the
+        one of min(T_i, Rmax) requests (a step has at most one request per token), and
+        in the first stage the draft model's programs. The first stage covers every
+        token bucket up to MIN_TOKEN_BUCKET."""
+        stages: list[list[ProgramKey]] = []
+        covered = 0  # request buckets up to this one are in an earlier stage
+        for t in self.token_buckets:
+            top = self.request_buckets(min(t, self.max_num_reqs))
+            stage: list[ProgramKey] = [ModelStepKey(t), PromptLogprobsKey(t)]
+            for r in self.request_buckets:
+                if covered < r <= top:
+                    stage += [SampleKey(r, p) for p in (False, True)]
+                    if self.num_spec:
+                        stage += [VerifyKey(r, g, p) for g in (True, False) for p in (False, True)]
+            covered = max(covered, top)
+            if stages and t <= MIN_TOKEN_BUCKET:
+                stages[-1] += stage
+            else:
+                stages.append(stage)
+        if self.draft is not None:
+            stages[0] += [DraftKey(t) for t in self.draft.buckets]
+        return stages
+
+    @staticmethod
+    def _stage_tokens(stage: list[ProgramKey]) -> int:
+        return max(k.num_tokens for k in stage if isinstance(k, ModelStepKey))
+
+    def _compile_stage(self, keys: list[ProgramKey], desc: str | None) -> None:
+        """Compile ``keys`` (ahead of time, into _executables) on a pool of one thread
+        per core; a progress bar when ``desc`` is given."""
+        by_kind: dict[type, list] = {}
+        for key in keys:
+            by_kind.setdefault(type(key), []).append(key)
+        workers = max(1, min(len(os.sched_getaffinity(0)), len(keys)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool, \
+                tqdm(total=len(keys), desc=desc, disable=desc is None or not self.progress) as bar:
+
+            def compile_async(key: ProgramKey, lowered: jax.stages.Lowered) -> Future:
+                def run():
+                    if self._warmup_stop.is_set():
+                        raise _WarmupStopped
+                    exe = self._executables[key] = lowered.compile()
+                    bar.update()
+                    return exe
+                return pool.submit(run)
+
+            steps = {key.num_tokens: compile_async(key, self.lower_model_step(key.num_tokens))
+                     for key in by_kind.get(ModelStepKey, [])}
+            pending = list(steps.values())
+            pending += [compile_async(key, self._lower(key, self.draft.state, self.draft.kv_cache,
+                                                       *self._put(self.draft.inputs(key.num_tokens))))
+                        for key in by_kind.get(DraftKey, [])]
+            for key in by_kind.get(PromptLogprobsKey, []):
+                hidden = steps[key.num_tokens].result().out_info[0]
+                pending.append(compile_async(key, self._lower(key, self.state, hidden,
+                                                              self._abstract_packed(self._model_layout(key.num_tokens)))))
+            samplers = by_kind.get(SampleKey, []) + by_kind.get(VerifyKey, [])
+            if samplers:
+                hidden_last = next(iter(steps.values())).result().out_info[1]
+            for key in samplers:
+                rows = self.dp * key.num_reqs
+                history = jax.ShapeDtypeStruct(
+                    (rows, self.input_batch.token_ids.shape[1] if key.use_penalties else 1), jnp.int32,
+                    sharding=self._rows_sharding)
+                bitmask = jax.ShapeDtypeStruct((rows, self.input_batch.bitmask_words), jnp.int32,
+                                               sharding=self._rows_sharding)
+                pending.append(compile_async(key, self._lower(key, self.state, hidden_last,
+                                                              self._abstract_packed(self._sampler_layout(key)),
+                                                              history, bitmask)))
+            for f in pending:
+                f.result()  # re-raises a failed compile here
 
     def _executable_cache(self) -> ExecutableCache | None:
         """The saved-executables cache, next to JAX's persistent cache (None when that is
@@ -463,38 +604,9 @@ class ModelRunner:
         digest = fingerprint(self.config, [self.model_path, spec.model if spec is not None else None], arrays)
         return ExecutableCache(os.path.join(directory, "jaxserve-executables"), digest)
 
-    def _compile_all(self, steps: list[ModelStepKey], drafts: list[DraftKey], samplers: list[ProgramKey]) -> None:
-        total = 2 * len(steps) + len(drafts) + len(samplers)  # each model step brings its prompt-logprobs program
-        workers = max(1, min(len(os.sched_getaffinity(0)), total))
-        with ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool, \
-                tqdm(total=total, desc="Warm-up (compiling buckets)", disable=not self.progress) as bar:
-
-            def compile_async(key: ProgramKey, lowered: jax.stages.Lowered) -> Future:
-                def run():
-                    exe = self._executables[key] = lowered.compile()
-                    bar.update()
-                    return exe
-                return pool.submit(run)
-
-            pending = [compile_async(key, self.lower_model_step(key.num_tokens)) for key in steps]
-            pending += [compile_async(key, self._lower(key, self.draft.state, self.draft.kv_cache,
-                                                       *self._put(self.draft.inputs(key.num_tokens)))) for key in drafts]
-            hidden_last = None
-            for key, step in zip(steps, list(pending)):
-                hidden, hidden_last, _ = step.result().out_info
-                pending.append(compile_async(PromptLogprobsKey(key.num_tokens), self._lower(
-                    PromptLogprobsKey(key.num_tokens), self.state, hidden,
-                    *self._put_packed(self._model_layout(key.num_tokens).allocate()[0]))))
-            for key in samplers:
-                # Zeros: the programs are compiled, not run, so only types matter.
-                rows = self.dp * key.num_reqs
-                history, bitmask = self._unused_wide_inputs(rows)
-                if key.use_penalties:
-                    history = self._put(np.zeros((rows, self.input_batch.token_ids.shape[1]), np.int32))
-                packed = self._put_packed(self._sampler_layout(key).allocate()[0])
-                pending.append(compile_async(key, self._lower(key, self.state, hidden_last, *packed, history, bitmask)))
-            for f in pending:
-                f.result()  # re-raises a failed compile here
+    def _abstract_packed(self, layout: PackedLayout) -> jax.ShapeDtypeStruct:
+        """The type of a packed buffer on the device (what _put_packed makes of it)."""
+        return jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=self._replicated)
 
     @property
     def num_compiled_programs(self) -> int:
@@ -504,8 +616,10 @@ class ModelRunner:
     def lower_model_step(self, num_tokens: int) -> jax.stages.Lowered:
         """The model step of token bucket ``num_tokens``, lowered with serving's input
         types (for the warm-up, and to inspect a bucket's HLO)."""
-        return self._lower(ModelStepKey(num_tokens), self.state, self.kv_cache,
-                           *self._put_packed(self._model_layout(num_tokens).allocate()[0]))
+        # Abstract: a background warm-up lowers while serving donates the live cache.
+        kv_cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_cache)
+        return self._lower(ModelStepKey(num_tokens), self.state, kv_cache,
+                           self._abstract_packed(self._model_layout(num_tokens)))
 
     def _lower(self, key: ProgramKey, *args) -> jax.stages.Lowered:
         return self._jitted[type(key)].lower(*args, **self._static_args(key))

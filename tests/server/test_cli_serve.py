@@ -18,6 +18,8 @@ def test_serve_arguments():
     args = parse(["serve"])
     assert args.model is None and args.port == 8000 and args.host == "127.0.0.1"
     assert args.enable_prefix_caching is True and args.func is run_serve
+    # A server compiles its larger steps while it serves, unless told otherwise.
+    assert args.background_warmup is True and parse(["serve", "--no-background-warmup"]).background_warmup is False
     args = parse(["serve", "/some/model", "--host", "0.0.0.0", "--port", "9001", "--max-model-len", "512",
                   "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--served-model-name", "m",
                   "--dtype", "bfloat16", "--tensor-parallel-size", "2", "--api-key", "k", "--disable-log-requests",

@@ -1,0 +1,80 @@
+"""--background-warmup: the engine serves as soon as its smallest steps are compiled,
+within them (longer prompts in more chunks), compiles nothing on demand, and once the
+background thread is done serves full steps, again compiling nothing."""
+import threading
+
+import numpy as np
+import pytest
+from compile_counter import count_compiles
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.runner.model_runner import ModelRunner
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = dict(max_model_len=160, max_num_seqs=8, max_num_batched_tokens=64, compilation_cache=False,
+                progress=False, token_buckets=[1, 16, 32, 64], request_buckets=[1, 8])
+
+
+def summary(outputs):
+    """(token ids and finish reasons exactly, logprob values): a step of another size
+    may round differently."""
+    exact = [(c.token_ids, c.finish_reason, [sorted(d) for d in c.logprobs]) for o in outputs for c in o.outputs]
+    values = [v.logprob for o in outputs for c in o.outputs for d in c.logprobs for v in d.values()]
+    return exact, np.array(values)
+
+
+def test_serves_within_the_compiled_steps_then_all_of_them(tiny_models, monkeypatch):
+    path = str(tiny_models("llama", tokenizer="bytes"))
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(3, 250, n).tolist()} for n in (100, 40, 5, 70, 16, 33)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    want, want_values = summary(LLM(path, **SETTINGS).generate(prompts, sp))
+
+    # The background stages wait until the test lets them go.
+    gate, real = threading.Event(), ModelRunner._compile_stage
+
+    def gated(self, keys, desc):
+        if desc is None:
+            assert gate.wait(600)
+        return real(self, keys, desc)
+
+    monkeypatch.setattr(ModelRunner, "_compile_stage", gated)
+    llm = LLM(path, background_warmup=True, **SETTINGS)
+    runner = llm.llm_engine.engine_core.model_runner
+    # The first stage: steps of 1 and 16 tokens, their prompt logprobs, every sampler
+    # (16 tokens can hold 8 requests).
+    assert runner.ready_tokens == 16 and runner.num_compiled_programs == 8
+    sizes = []
+    dispatch = runner.dispatch
+
+    def recording_dispatch(outputs):
+        sizes.append(max(so.total_num_scheduled_tokens for so in outputs))
+        return dispatch(outputs)
+
+    runner.dispatch = recording_dispatch
+    with count_compiles(runner) as compiles:
+        got, values = summary(llm.generate(prompts, sp))
+    assert compiles == [0, 0]
+    assert max(sizes) == 16 and not runner.wait_for_warmup(0)
+    assert got == want
+    np.testing.assert_allclose(values, want_values, atol=1e-4)
+
+    gate.set()
+    assert runner.wait_for_warmup(600)
+    assert runner.ready_tokens == 64 and runner.num_compiled_programs == 12
+    sizes.clear()
+    with count_compiles(runner) as compiles:
+        got, values = summary(llm.generate(prompts, sp))
+    assert compiles == [0, 0]
+    assert max(sizes) > 32
+    assert got == want
+    np.testing.assert_allclose(values, want_values, atol=1e-4)
+
+
+def test_everything_compiles_first_where_steps_cannot_be_capped(tiny_models):
+    """Without chunked prefill a whole prompt must fit in one step: no background."""
+    llm = LLM(str(tiny_models("llama", tokenizer="bytes")), background_warmup=True, enable_chunked_prefill=False,
+              **{**SETTINGS, "max_num_batched_tokens": 160, "token_buckets": [1, 16, 160]})
+    runner = llm.llm_engine.engine_core.model_runner
+    assert runner.wait_for_warmup(0) and runner.ready_tokens == 160 and runner.num_compiled_programs == 10
