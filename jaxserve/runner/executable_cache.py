@@ -80,27 +80,31 @@ class ExecutableCache:
     def __init__(self, directory: str | Path, digest: str) -> None:
         self.path = Path(directory) / f"{digest}.pkl"
 
-    def load(self, keys: list) -> dict | None:
-        """The executables for exactly ``keys``, or None (missing, unreadable, or for
-        other keys); never raises."""
+    def read(self, keys: list) -> dict | None:
+        """The saved (serialized) executables for exactly ``keys``, or None (missing,
+        unreadable, or for other keys); never raises."""
         if not self.path.exists():
             return None
-        from jax.experimental.serialize_executable import deserialize_and_load
-
         try:
             with open(self.path, "rb") as f:
                 blobs = pickle.load(f)
-            if set(blobs) != set(keys):
-                return None
-            devices = {d.id: d for d in jax.devices()}
-            # Each program runs on the devices it was compiled for, in their order (the
-            # default would be every device of the backend).
-            return {key: deserialize_and_load(payload, in_tree, out_tree,
-                                              execution_devices=[devices[i] for i in device_ids])
-                    for key, (payload, in_tree, out_tree, device_ids) in ((k, blobs[k]) for k in keys)}
-        except Exception as e:  # a corrupt or incompatible file: warm up as usual
-            logger.warning("Executable cache %s unusable (%s: %s); compiling", self.path, type(e).__name__, e)
+            return blobs if set(blobs) == set(keys) else None
+        except Exception as e:  # a corrupt file: warm up as usual
+            logger.warning("Executable cache %s unreadable (%s: %s); compiling", self.path, type(e).__name__, e)
             return None
+
+    @staticmethod
+    def deserialize(blobs: dict, keys: list) -> dict:
+        """The executables of ``keys`` from read()'s blobs, loaded onto their devices
+        (raises if they cannot be)."""
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        devices = {d.id: d for d in jax.devices()}
+        # Each program runs on the devices it was compiled for, in their order (the
+        # default would be every device of the backend).
+        return {key: deserialize_and_load(payload, in_tree, out_tree,
+                                          execution_devices=[devices[i] for i in device_ids])
+                for key, (payload, in_tree, out_tree, device_ids) in ((k, blobs[k]) for k in keys)}
 
     def save(self, executables: dict) -> None:
         """Write every executable (atomically: a reader sees the whole file or none)."""

@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +137,18 @@ def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1) -> Mesh:
 
 class _WarmupStopped(Exception):
     """A background warm-up told to stop (ModelRunner.stop_warmup)."""
+
+
+@dataclasses.dataclass
+class _Warmup:
+    """One warm-up's progress, shared by its stages (ModelRunner.warmup)."""
+
+    cache: ExecutableCache | None
+    blobs: dict | None  # the saved executables (ExecutableCache.read) while loading from them
+    t0: float
+    jax_cache_hits: int = 0  # programs that came from JAX's persistent cache
+    partly_loaded: bool = False  # stages loaded before the cache failed (such a set is not saved)
+    listener: Any = None  # the jax.monitoring listener counting the hits
 
 
 class ModelRunner:
@@ -436,57 +449,64 @@ class ModelRunner:
         t0 = time.perf_counter()
         stages = self._warmup_stages()
         keys = [k for stage in stages for k in stage]
-        cache = self._executable_cache()
-        loaded = cache.load(keys) if cache is not None else None
-        if loaded is not None:
-            self._executables.update(loaded)
-            self.warmup_from_cache = True
-            dt = time.perf_counter() - t0
-            logger.info("Warm-up loaded %d compiled programs from %s in %.1f s", len(loaded), cache.path, dt)
-            return dt
-        hits = []
-
-        def on_event(event, **kwargs):
-            if event == JAX_CACHE_HIT_EVENT:
-                hits.append(event)
-
-        jax.monitoring.register_event_listener(on_event)
         sc = self.config.scheduler_config
         if not background or self.num_spec or self._multihost or not sc.enable_chunked_prefill:
             stages = [keys]
+        cache = self._executable_cache()
+        w = _Warmup(cache, cache.read(keys) if cache is not None else None, t0)
+
+        def on_event(event, **kwargs):
+            if event == JAX_CACHE_HIT_EVENT:
+                w.jax_cache_hits += 1
+
+        w.listener = on_event
+        jax.monitoring.register_event_listener(on_event)
         self.ready_tokens = 0  # nothing may run until the first stage is in
         try:
-            self._compile_stage(stages[0], "Warm-up (compiling buckets)")
+            self._warm_up_stage(stages[0], w, "Warm-up (compiling buckets)")
         except BaseException:
             jax.monitoring.unregister_event_listener(on_event)
             raise
-        self.ready_tokens = self._stage_tokens(stages[0])
+        self.warmup_from_cache = w.blobs is not None
         if len(stages) == 1:
-            self._warmup_done(cache, hits, on_event, t0)
+            self._warmup_done(w)
             return time.perf_counter() - t0
         dt = time.perf_counter() - t0
         rest = stages[1:]
-        logger.info("Warm-up compiled %d programs in %.1f s: serving steps of up to %d tokens while %d more "
-                    "compile in the background", len(stages[0]), dt, self.ready_tokens, sum(map(len, rest)))
-        self._warmup_thread = threading.Thread(target=self._warm_up_rest, args=(rest, cache, hits, on_event, t0),
-                                               name="jaxserve-warmup", daemon=True)
+        done, todo = ("loaded", "load") if w.blobs is not None else ("compiled", "compile")
+        logger.info("Warm-up %s %d programs in %.1f s: serving steps of up to %d tokens while %d more %s in the "
+                    "background", done, len(stages[0]), dt, self.ready_tokens, sum(map(len, rest)), todo)
+        self._warmup_thread = threading.Thread(target=self._warm_up_rest, args=(rest, w), name="jaxserve-warmup",
+                                               daemon=True)
         # A process that exits meanwhile stops it first (a daemon thread frozen in the
         # middle of an XLA compile can crash the interpreter's exit).
         atexit.register(self.stop_warmup)
         self._warmup_thread.start()
         return dt
 
-    def _warm_up_rest(self, stages: list[list[ProgramKey]], cache, hits, on_event, t0: float) -> None:
-        """The background warm-up thread: each stage compiled, then its steps allowed."""
+    def _warm_up_stage(self, stage: list[ProgramKey], w: _Warmup, desc: str | None) -> None:
+        """Load a stage's programs from the executable cache, else compile them; then
+        allow its steps."""
+        if w.blobs is not None:
+            try:
+                self._executables.update(w.cache.deserialize(w.blobs, stage))
+            except Exception as e:  # an incompatible file: compile this stage and the rest
+                logger.warning("Executable cache %s unusable (%s: %s); compiling", w.cache.path, type(e).__name__, e)
+                w.blobs, w.partly_loaded = None, bool(self._executables)
+        if w.blobs is None:
+            self._compile_stage(stage, desc)
+        self.ready_tokens = self._stage_tokens(stage)
+
+    def _warm_up_rest(self, stages: list[list[ProgramKey]], w: _Warmup) -> None:
+        """The background warm-up thread: each stage in turn, then its steps allowed."""
         try:
             for stage in stages:
-                self._compile_stage(stage, None)
-                self.ready_tokens = self._stage_tokens(stage)
-            self._warmup_done(cache, hits, on_event, t0)
+                self._warm_up_stage(stage, w, None)
+            self._warmup_done(w)
         except _WarmupStopped:
-            jax.monitoring.unregister_event_listener(on_event)
+            jax.monitoring.unregister_event_listener(w.listener)
         except BaseException:  # the engine goes on serving with the stages it has
-            jax.monitoring.unregister_event_listener(on_event)
+            jax.monitoring.unregister_event_listener(w.listener)
             logger.exception("Background warm-up failed; steps stay at most %d tokens", self.ready_tokens)
         finally:
             atexit.unregister(self.stop_warmup)
@@ -497,17 +517,22 @@ class ModelRunner:
         if self._warmup_thread is not None:
             self._warmup_thread.join()
 
-    def _warmup_done(self, cache, hits, on_event, t0: float) -> None:
-        jax.monitoring.unregister_event_listener(on_event)
-        if cache is not None and hits:
+    def _warmup_done(self, w: _Warmup) -> None:
+        jax.monitoring.unregister_event_listener(w.listener)
+        dt, n = time.perf_counter() - w.t0, self.num_compiled_programs
+        if w.blobs is not None:
+            logger.info("Warm-up loaded %d compiled programs from %s in %.1f s", n, w.cache.path, dt)
+            return
+        if w.cache is not None and w.jax_cache_hits:
             # An executable read from JAX's persistent cache serializes without its
             # kernels' object code (XLA:CPU, jax 0.10: loading it fails at the first
             # run with "Function ... not found"), so only a set compiled from scratch
             # is saved.
-            logger.info("Executable cache not written: %d programs came from JAX's compilation cache", len(hits))
-        elif cache is not None:
-            cache.save(self._executables)
-        logger.info("Warm-up compiled %d programs in %.1f s", self.num_compiled_programs, time.perf_counter() - t0)
+            logger.info("Executable cache not written: %d programs came from JAX's compilation cache",
+                        w.jax_cache_hits)
+        elif w.cache is not None and not w.partly_loaded:
+            w.cache.save(self._executables)
+        logger.info("Warm-up compiled %d programs in %.1f s", n, dt)
 
     def wait_for_warmup(self, timeout: float | None = None) -> bool:
         """Block until a background warm-up has compiled everything; True when done."""
@@ -601,7 +626,9 @@ class ModelRunner:
         arrays = [self.state, self.kv_cache]
         if self.draft is not None:
             arrays += [self.draft.state, self.draft.kv_cache]
-        digest = fingerprint(self.config, [self.model_path, spec.model if spec is not None else None], arrays)
+        # How the warm-up runs does not shape the programs: one file serves both ways.
+        config = dataclasses.replace(self.config, background_warmup=False)
+        digest = fingerprint(config, [self.model_path, spec.model if spec is not None else None], arrays)
         return ExecutableCache(os.path.join(directory, "jaxserve-executables"), digest)
 
     def _abstract_packed(self, layout: PackedLayout) -> jax.ShapeDtypeStruct:

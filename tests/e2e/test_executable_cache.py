@@ -50,7 +50,19 @@ def test_second_start_loads_the_programs_and_serves_the_same(tiny_models, cache_
     with count_compiles(runner) as compiled:
         assert run(second) == expected
     assert compiled == [0, 0], f"(backend compiles, new variants) after loading: {compiled}"
+    programs = runner.num_compiled_programs
     del second
+
+    # A background warm-up loads the same file: its first stage before serving, the others
+    # on its thread.
+    third = LLM(path, background_warmup=True, **ARGS)
+    runner = third.llm_engine.model_runner
+    assert runner.warmup_from_cache
+    assert runner.wait_for_warmup(120) and runner.num_compiled_programs == programs
+    with count_compiles(runner) as compiled:
+        assert run(third) == expected
+    assert compiled == [0, 0], f"(backend compiles, new variants) after loading: {compiled}"
+    del third
 
     # Another shape of the engine: other programs, not the saved ones.
     other = LLM(path, **{**ARGS, "max_num_seqs": 2})
@@ -59,6 +71,6 @@ def test_second_start_loads_the_programs_and_serves_the_same(tiny_models, cache_
 
 def test_a_damaged_file_is_a_miss(tmp_path):
     cache = ExecutableCache(tmp_path, "abc")
-    assert cache.load(["k"]) is None  # no file
+    assert cache.read(["k"]) is None  # no file
     cache.path.write_bytes(b"not a pickle")
-    assert cache.load(["k"]) is None
+    assert cache.read(["k"]) is None
