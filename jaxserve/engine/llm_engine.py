@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
-
-from transformers import AutoTokenizer
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.core import EngineCore
@@ -25,13 +24,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger("jaxserve")
 
 
+def load_tokenizer(path: str):
+    """The HF tokenizer of a model folder (transformers imported here, not at start-up)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
         self.config = config
         mc = config.model_config
         t0 = time.perf_counter()
-        self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer or mc.model)
-        self.engine_core = EngineCore(config, mc.model, progress=progress)
+        # The tokenizer (transformers' import 0.6 s, the load 0.3 s) loads on a thread while
+        # the engine core loads the weights and its programs, much of which runs outside
+        # the GIL (file reads, device copies, XLA): warm `make serve` 5.3 -> 4.x s.
+        with ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, mc.tokenizer or mc.model)
+            self.engine_core = EngineCore(config, mc.model, progress=progress)
+            self.tokenizer = tokenizer.result()
         runner = self.model_runner
         eos = set(runner.arch.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
