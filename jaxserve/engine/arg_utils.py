@@ -154,7 +154,7 @@ class EngineArgs:
         "Default on for `serve`. Not with speculative decoding, multi-host or without chunked prefill."))
     token_buckets: list[int] | None = field(default=None, metadata=_arg(
         "Padded token counts the step compiles for (default: powers of two from 16 up to "
-        "max_num_batched_tokens, and 1 on a CPU)."))
+        "max_num_batched_tokens; from 1 on a CPU)."))
     request_buckets: list[int] | None = field(default=None, metadata=_arg(
         "Padded request counts the sampler compiles for (default: powers of two from 8 up to max_num_seqs, "
         "and 1 on a CPU)."))

@@ -29,7 +29,7 @@ class PackedLayout:
     """Where each leaf of a pytree of arrays sits in a flat int32 buffer of ``size``."""
 
     treedef: Any  # jax.tree_util.PyTreeDef (hashable)
-    leaves: tuple[tuple[tuple[int, ...], str, int], ...]  # (shape, dtype name, offset) per leaf
+    leaves: tuple[tuple[tuple[int, ...], str, int, int], ...]  # (shape, dtype name, offset, size) per leaf
     size: int
 
     @classmethod
@@ -43,15 +43,16 @@ class PackedLayout:
             if dtype not in _DTYPES:
                 raise TypeError(f"PackedLayout holds 4-byte leaves ({', '.join(_DTYPES)}); got {dtype}")
             shape = tuple(int(d) for d in x.shape)
-            out.append((shape, dtype, offset))
-            offset += int(np.prod(shape, dtype=np.int64))
+            size = int(np.prod(shape, dtype=np.int64))
+            out.append((shape, dtype, offset, size))
+            offset += size
         return cls(treedef, tuple(out), offset)
 
     def allocate(self) -> tuple[np.ndarray, Any]:
         """A zeroed buffer [size] int32 and the tree of its views (writable numpy
         arrays of the leaves' shapes and dtypes: writing them fills the buffer)."""
         buf = np.zeros(self.size, np.int32)
-        views = [buf[o:o + int(np.prod(s, dtype=np.int64))].view(d).reshape(s) for s, d, o in self.leaves]
+        views = [buf[o:o + n].view(d).reshape(s) for s, d, o, n in self.leaves]
         return buf, jax.tree.unflatten(self.treedef, views)
 
     def pack(self, tree: Any) -> np.ndarray:
@@ -65,8 +66,8 @@ class PackedLayout:
         """Inside a program: the tree back from the buffer [size] int32 (slices)."""
         assert buf.shape == (self.size,), f"buffer {buf.shape} for a layout of {self.size}"
         leaves = []
-        for shape, dtype, offset in self.leaves:
-            x = jax.lax.slice(buf, (offset,), (offset + int(np.prod(shape, dtype=np.int64)),))
+        for shape, dtype, offset, size in self.leaves:
+            x = jax.lax.slice(buf, (offset,), (offset + size,))
             if dtype != "int32":
                 x = jax.lax.bitcast_convert_type(x, np.dtype(dtype))
             leaves.append(x.reshape(shape))

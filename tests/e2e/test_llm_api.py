@@ -41,11 +41,12 @@ def test_no_compilation_after_warmup(llm):  # JX-01
 
 
 def test_one_token_steps_run_in_their_own_bucket(llm):
-    """On a CPU the default buckets start at 1 (a one-token step's matmuls are then
-    matrix-vector products): a lone decode row runs the one-token program, its sampler
-    the one-request one."""
+    """On a CPU the default token buckets are every power of two from 1 (a one-token
+    step's matmuls are then matrix-vector products; small GEMMs cost by the row): a
+    three-token prefill runs the four-token program, a lone decode row the one-token
+    program, its sampler the one-request one."""
     runner = llm.llm_engine.model_runner
-    assert runner.token_buckets.buckets[:2] == (1, 16) and runner.request_buckets.buckets[:2] == (1, 8)
+    assert runner.token_buckets.buckets[:5] == (1, 2, 4, 8, 16) and runner.request_buckets.buckets[:2] == (1, 8)
     keys = []
     real = runner._run
     runner._run = lambda key, *a: keys.append(key) or real(key, *a)
@@ -55,7 +56,7 @@ def test_one_token_steps_run_in_their_own_bucket(llm):
         runner._run = real
     steps = [k.num_tokens for k in keys if hasattr(k, "num_tokens")]
     samplers = [k.num_reqs for k in keys if hasattr(k, "num_reqs")]
-    assert steps == [16, 1, 1] and samplers == [1, 1, 1], keys  # the prefill, then two decodes
+    assert steps == [4, 1, 1] and samplers == [1, 1, 1], keys  # the prefill, then two decodes
 
 
 def test_results_in_input_order_and_lengths(llm):  # EN-06
