@@ -146,6 +146,7 @@ class _Warmup:
     cache: ExecutableCache | None
     blobs: dict | None  # the saved executables (ExecutableCache.read) while loading from them
     t0: float
+    num_programs: int  # in all stages
     jax_cache_hits: int = 0  # programs that came from JAX's persistent cache
     partly_loaded: bool = False  # stages loaded before the cache failed (such a set is not saved)
     listener: Any = None  # the jax.monitoring listener counting the hits
@@ -219,10 +220,6 @@ class ModelRunner:
         self._single_buckets = self.platform == "cpu"
         self.token_buckets = BucketTable(config.token_buckets or default_buckets(
             1 if self._single_buckets else MIN_TOKEN_BUCKET, self.max_num_tokens, single=self._single_buckets))
-        # The most tokens a step may hold now: all of them, except during a background
-        # warm-up (the largest step whose programs are compiled; the engine caps its
-        # schedulers' token budgets at it).
-        self.ready_tokens = self.token_buckets.max
         if spec is not None and spec.method == "draft_model":
             from jaxserve.spec_decode.draft_model import DraftModelProposer
 
@@ -254,6 +251,9 @@ class ModelRunner:
             config.request_buckets or default_buckets(min(MIN_REQUEST_BUCKET, self.max_num_reqs), self.max_num_reqs,
                                                       single=self._single_buckets)
         )
+        # The buckets steps are padded to now: all of them, except during a background
+        # warm-up (those compiled so far; a size takes the smallest of them that fits).
+        self._step_buckets: tuple[BucketTable, BucketTable] = (self.token_buckets, self.request_buckets)
         self.input_batches = [InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req,
                                          self.vocab_size, self.kv_cache_layout.num_groups) for _ in range(self.dp)]
         self.requests: dict[str, CachedRequestState] = {}
@@ -276,6 +276,13 @@ class ModelRunner:
     def _local_device(self) -> jax.Device:
         """A mesh device of this process (multi-host: only those report memory stats)."""
         return next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+
+    @property
+    def ready_tokens(self) -> int:
+        """The most tokens a step may hold now: all of them, except during a background
+        warm-up (the largest step compiled so far; the engine caps its schedulers' token
+        budgets at it)."""
+        return self._step_buckets[0].max
 
     @property
     def input_batch(self) -> InputBatch:
@@ -442,10 +449,10 @@ class ModelRunner:
         them without tracing anything.
 
         background=True (``--background-warmup``, serve's default): only the first
-        stage of _warmup_stages (the programs of steps of at most MIN_TOKEN_BUCKET
-        tokens) compiles before this returns; the other stages compile on a thread,
-        smallest first, while the engine serves. ``ready_tokens`` is the largest step
-        every compiled stage covers, and the engine caps each step's token budget at it
+        stage of _warmup_stages (the smallest token bucket and MIN_TOKEN_BUCKET's)
+        compiles before this returns; the other stages compile on a thread while the
+        engine serves. Steps are padded to the buckets compiled so far (the smallest
+        that fits), and ``ready_tokens``, the largest, caps each step's token budget
         (long prompts take more chunks meanwhile), so no step waits for a compile or
         starts one. Every program compiles before serving with speculative decoding,
         multi-host or without chunked prefill (a whole prompt must fit in a step)."""
@@ -456,7 +463,7 @@ class ModelRunner:
         if not background or self.num_spec or self._multihost or not sc.enable_chunked_prefill:
             stages = [keys]
         cache = self._executable_cache()
-        w = _Warmup(cache, cache.read(keys) if cache is not None else None, t0)
+        w = _Warmup(cache, cache.read(keys) if cache is not None else None, t0, len(keys))
 
         def on_event(event, **kwargs):
             if event == JAX_CACHE_HIT_EVENT:
@@ -464,7 +471,6 @@ class ModelRunner:
 
         w.listener = on_event
         jax.monitoring.register_event_listener(on_event)
-        self.ready_tokens = 0  # nothing may run until the first stage is in
         try:
             self._warm_up_stage(stages[0], w, "Warm-up (compiling buckets)")
         except BaseException:
@@ -498,7 +504,12 @@ class ModelRunner:
                 w.blobs, w.partly_loaded = None, bool(self._executables)
         if w.blobs is None:
             self._compile_stage(stage, desc)
-        self.ready_tokens = self._stage_tokens(stage)
+        if len(self._executables) == w.num_programs:
+            self._step_buckets = (self.token_buckets, self.request_buckets)
+        else:
+            self._step_buckets = (
+                BucketTable([k.num_tokens for k in self._executables if isinstance(k, ModelStepKey)]),
+                BucketTable([k.num_reqs for k in self._executables if isinstance(k, SampleKey)]))
 
     def _warm_up_rest(self, stages: list[list[ProgramKey]], w: _Warmup) -> None:
         """The background warm-up thread: each stage in turn, then its steps allowed."""
@@ -508,6 +519,10 @@ class ModelRunner:
             self._warmup_done(w)
         except _WarmupStopped:
             jax.monitoring.unregister_event_listener(w.listener)
+        except RuntimeError as e:
+            jax.monitoring.unregister_event_listener(w.listener)
+            if "interpreter shutdown" not in str(e):  # not the process exiting (thread pools refuse work)
+                logger.exception("Background warm-up failed; steps stay at most %d tokens", self.ready_tokens)
         except BaseException:  # the engine goes on serving with the stages it has
             jax.monitoring.unregister_event_listener(w.listener)
             logger.exception("Background warm-up failed; steps stay at most %d tokens", self.ready_tokens)
@@ -545,34 +560,34 @@ class ModelRunner:
         return True
 
     def _warmup_stages(self) -> list[list[ProgramKey]]:
-        """Every program, in stages a step can be served by: stage i holds what a step of
-        at most T_i tokens (token bucket i) needs beyond the earlier stages: the model
-        step and prompt logprobs of T_i, the samplers of the request buckets up to the
-        one of min(T_i, Rmax) requests (a step has at most one request per token), and
-        in the first stage the draft model's programs. The first stage covers every
-        token bucket up to MIN_TOKEN_BUCKET."""
+        """Every program, in stages a step can be served by: the stage of token bucket T
+        holds what a step of at most T tokens needs beyond the earlier stages: the model
+        step and prompt logprobs of T, the samplers of the request buckets up to the
+        one of min(T, Rmax) requests (a step has at most one request per token), and in
+        the first stage the draft model's programs. The first stage is the smallest
+        bucket and MIN_TOKEN_BUCKET's; the buckets between them (a CPU's 2, 4, 8) come
+        last: until then their steps take the next compiled bucket."""
+        buckets = list(self.token_buckets)
+        fillers = [t for t in buckets[1:] if t < MIN_TOKEN_BUCKET]
+        first = [buckets[0]] + [t for t in buckets[1:] if t == MIN_TOKEN_BUCKET]
+        groups = [first] + [[t] for t in buckets if t not in first and t not in fillers] + ([fillers] if fillers else [])
         stages: list[list[ProgramKey]] = []
         covered = 0  # request buckets up to this one are in an earlier stage
-        for t in self.token_buckets:
-            top = self.request_buckets(min(t, self.max_num_reqs))
-            stage: list[ProgramKey] = [ModelStepKey(t), PromptLogprobsKey(t)]
-            for r in self.request_buckets:
-                if covered < r <= top:
-                    stage += [SampleKey(r, p) for p in (False, True)]
-                    if self.num_spec:
-                        stage += [VerifyKey(r, g, p) for g in (True, False) for p in (False, True)]
-            covered = max(covered, top)
-            if stages and t <= MIN_TOKEN_BUCKET:
-                stages[-1] += stage
-            else:
-                stages.append(stage)
+        for group in groups:
+            stage: list[ProgramKey] = []
+            for t in group:
+                top = self.request_buckets(min(t, self.max_num_reqs))
+                stage += [ModelStepKey(t), PromptLogprobsKey(t)]
+                for r in self.request_buckets:
+                    if covered < r <= top:
+                        stage += [SampleKey(r, p) for p in (False, True)]
+                        if self.num_spec:
+                            stage += [VerifyKey(r, g, p) for g in (True, False) for p in (False, True)]
+                covered = max(covered, top)
+            stages.append(stage)
         if self.draft is not None:
             stages[0] += [DraftKey(t) for t in self.draft.buckets]
         return stages
-
-    @staticmethod
-    def _stage_tokens(stage: list[ProgramKey]) -> int:
-        return max(k.num_tokens for k in stage if isinstance(k, ModelStepKey))
 
     def _compile_stage(self, keys: list[ProgramKey], desc: str | None) -> None:
         """Compile ``keys`` (ahead of time, into _executables) on a pool of one thread
@@ -751,8 +766,9 @@ class ModelRunner:
     def _prepare_inputs(self, outputs: list[SchedulerOutput]) -> PreparedStep:
         """The step's padded host arrays (numpy; nothing touches the device here). Every
         rank gets the same buckets: the largest rank's token count and request count."""
-        t_pad = self.token_buckets(max(so.total_num_scheduled_tokens for so in outputs))
-        r_pad = self.request_buckets(max(len(so.num_scheduled_tokens) for so in outputs))
+        token_buckets, request_buckets = self._step_buckets
+        t_pad = token_buckets(max(so.total_num_scheduled_tokens for so in outputs))
+        r_pad = request_buckets(max(len(so.num_scheduled_tokens) for so in outputs))
         # Written in place: views of the packed buffer.
         model_buffer, (input_ids, positions, md, logits_indices, lp_targets) = self._model_layout(t_pad).allocate()
         rmax = self.max_num_reqs
