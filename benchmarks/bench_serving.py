@@ -276,7 +276,10 @@ def launch_server(args) -> tuple[subprocess.Popen, str]:
     """Our `serve` on a free port; returns once /health answers (the start-up is printed)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "server.cli_serve", "serve", *([args.model] if args.model else []),
-           "--host", "127.0.0.1", "--port", str(port), "--disable-log-requests", "--uvicorn-log-level", "warning"]
+           "--host", "127.0.0.1", "--port", str(port), "--disable-log-requests", "--uvicorn-log-level", "warning",
+           # Every program compiled before /health answers (as vLLM's server does), so the
+           # runs do not measure a background warm-up (--server-args can turn it back on).
+           "--no-background-warmup"]
     cmd += _shared_server_args(args)
     cmd += args.server_args.split() if args.server_args else []
     return _wait_healthy(args, cmd, port, env=None)

@@ -478,6 +478,7 @@ class ModelRunner:
             raise
         self.warmup_from_cache = w.blobs is not None
         if len(stages) == 1:
+            jax.monitoring.unregister_event_listener(on_event)
             self._warmup_done(w)
             return time.perf_counter() - t0
         dt = time.perf_counter() - t0
@@ -516,18 +517,17 @@ class ModelRunner:
         try:
             for stage in stages:
                 self._warm_up_stage(stage, w, None)
-            self._warmup_done(w)
         except _WarmupStopped:
-            jax.monitoring.unregister_event_listener(w.listener)
-        except RuntimeError as e:
-            jax.monitoring.unregister_event_listener(w.listener)
-            if "interpreter shutdown" not in str(e):  # not the process exiting (thread pools refuse work)
+            return
+        except BaseException as e:  # the engine goes on serving with the stages it has
+            # (unless the process is exiting: thread pools then refuse work)
+            if not (isinstance(e, RuntimeError) and "interpreter shutdown" in str(e)):
                 logger.exception("Background warm-up failed; steps stay at most %d tokens", self.ready_tokens)
-        except BaseException:  # the engine goes on serving with the stages it has
-            jax.monitoring.unregister_event_listener(w.listener)
-            logger.exception("Background warm-up failed; steps stay at most %d tokens", self.ready_tokens)
+            return
         finally:
+            jax.monitoring.unregister_event_listener(w.listener)
             atexit.unregister(self.stop_warmup)
+        self._warmup_done(w)
 
     def stop_warmup(self) -> None:
         """Stop a background warm-up: the compiles under way finish, no other starts."""
@@ -536,7 +536,7 @@ class ModelRunner:
             self._warmup_thread.join()
 
     def _warmup_done(self, w: _Warmup) -> None:
-        jax.monitoring.unregister_event_listener(w.listener)
+        """Every program is in: log it, and save the set if it was compiled from scratch."""
         dt, n = time.perf_counter() - w.t0, self.num_compiled_programs
         if w.blobs is not None:
             logger.info("Warm-up loaded %d compiled programs from %s in %.1f s", n, w.cache.path, dt)
