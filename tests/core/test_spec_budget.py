@@ -78,3 +78,20 @@ def test_seeded_sampling_keeps_its_drafts():
     seeded, greedy = req(seed=1, temperature=0.8), req()
     b.plan([seeded, greedy] + [req() for _ in range(62)], 64, 64)
     assert len(seeded.spec_token_ids) == 4 and greedy.spec_token_ids == []
+
+
+def test_an_unmeasured_bucket_between_measured_ones_is_interpolated():
+    """Between two measurements the cost is interpolated in tokens; outside them it
+    scales the nearest (a CPU's small buckets cost far less than linear between 1 and
+    16 tokens, so scaling up from the smallest would never try the others)."""
+    b = SpecDecodeBudget(BucketTable((1, 2, 4, 8, 16)))
+    b.record(4, True, 0.04)
+    b.record(16, True, 0.10)
+    assert abs(b.cost(8, True) - 0.06) < 1e-12
+    assert abs(b.cost(2, True) - 0.02) < 1e-12  # below every measurement: scaled
+    assert abs(b.cost(16, False) - 0.10) < 1e-12  # the other kind's measurement of the bucket
+    # Two requests, one draft each measured at bucket 4: bucket 8 (two drafts each) is
+    # worth it at the interpolated cost when the drafts are likely.
+    b.record(2, False, 0.035)
+    rs = [req(accepted=9, drafted=10) for _ in range(2)]
+    assert b.plan(rs, 2, 2) >= 4
