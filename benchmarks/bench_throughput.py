@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--peer-python", nargs="+", default=[],
                     help="the Python of the peers' environment: one path for all, or ENGINE=PATH each "
                          "(default: this Python)")
+    ap.add_argument("--peer-dtype", default="float32",
+                    help="the peers' dtype (vLLM, HF): float32 (default) or bfloat16")
     ap.add_argument("--peer-model", default=None,
                     help="the peer's model (default: the same HF folder; llamacpp: the default model's GGUF file)")
     ap.add_argument("--output-len", type=int, default=64)
@@ -82,7 +84,10 @@ def main() -> None:
     total = prompt_tokens + output_tokens
     print(machine_line())
     print(commit_line())
-    print(f"dtype {args.dtype}, quantization {args.quantization}, kv cache {args.kv_cache_dtype}, "
+    runner = llm.llm_engine.model_runner
+    print(f"dtype {args.dtype} (activations {np.dtype(runner.dtype).name}, matmul weights "
+          f"{np.dtype(runner.param_dtype).name}), peers' dtype {args.peer_dtype}, "
+          f"quantization {args.quantization}, kv cache {args.kv_cache_dtype}, "
           f"scan_layers {not args.no_scan_layers}, async scheduling {args.async_scheduling}, prompts {len(token_prompts)} of "
           f"{min(map(len, token_prompts))}-{max(map(len, token_prompts))} tokens, output {args.output_len}")
     print(f"startup (load + warm-up): {startup:.1f} s; warm-up {llm.llm_engine.warmup_seconds:.1f} s, "
@@ -137,7 +142,8 @@ def run_peer(args, name: str, model_dir: Path, prompts: list[list[int]]) -> dict
         json.dump(prompts, f)
     cmd = [peer_python(args, name), str(Path(__file__).with_name("peer_throughput.py")), "--engine", name,
            "--model", model, "--prompts", f.name, "--output-len", str(args.output_len),
-           "--batch-size", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
+           "--batch-size", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
+           "--dtype", args.peer_dtype]
     print(f"Running the peer: {' '.join(cmd)}", flush=True)
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
     # The peer's own logs share stdout (vLLM logs its shutdown after our line).

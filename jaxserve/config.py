@@ -100,6 +100,9 @@ class ModelConfig:
     model: str  # local folder (HF layout)
     tokenizer: str | None = None
     dtype: str = "auto"  # one of DTYPES
+    # The matmul weights' dtype, one of DTYPES (auto: dtype's, or bfloat16 under dtype=auto
+    # on a CPU with native bf16 products; jaxserve/runner/dtypes.py).
+    weight_dtype: str = "auto"
     seed: int = 0
     served_model_name: str | None = None
     max_logprobs: int = 20
@@ -115,6 +118,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.weight_dtype not in DTYPES:
+            raise ValueError(f"weight_dtype must be one of {', '.join(DTYPES)}; got {self.weight_dtype!r}")
         from models.quantization import check_quantization
 
         check_quantization(self.quantization)

@@ -79,7 +79,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return gemma_rms_norm(x, w, self.config.rms_norm_eps)
 
     def embed(self, input_ids):
-        h = self.embed_tokens[...][input_ids]
+        h = self.embed_tokens[...][input_ids].astype(self.dtype)
         return h * jnp.asarray(self.config.hidden_size ** 0.5, h.dtype)  # rounded to the dtype, as HF
 
     def mlp(self, x, lw):

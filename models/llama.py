@@ -5,7 +5,8 @@ models/mistral.py (sliding window), models/qwen2.py (q/k/v bias), models/qwen3.p
 Layer weights are stacked on a leading layer axis and the layers run under
 ``lax.scan`` (``scan_layers=False`` unrolls them), so compile time does not grow
 with depth. Projections are stored [in, out] so a matmul is ``x @ w``.
-The KV cache is [L, P, S, 2K, H] (DESIGN §4) and is threaded through the scan; with
+On CPU, bf16 layer weights under float32 activations are stored as uint16 bit
+patterns for the scan (``scan_safe``). The KV cache is [L, P, S, 2K, H] (DESIGN §4) and is threaded through the scan; with
 KV cache groups (Gemma's local and global layers, jaxserve/core/kv_cache_groups.py) its
 first axis is a group's slots, and the attention maps each layer to its slot.
 
@@ -25,7 +26,7 @@ from jax.sharding import Mesh
 from models.attention_metadata import AttentionMetadata
 from models.base import MODEL, CausalLM, Weight, make_param
 from models.config import ModelArchConfig, hf_common_fields
-from models.quantization import param_map, linear
+from models.quantization import linear, matmul, matmul_weight_names, param_map, scan_safe
 from models.rope import apply_rope, rope_inv_freq
 
 # Axis sizes, as ModelArchConfig fields: L layers, D model dim, F mlp dim, V vocabulary
@@ -45,13 +46,18 @@ def rms_norm(x, w, eps):
 
 
 class DecoderLayers(nnx.Module):
-    """All decoder layers' weights, stacked [L, ...]."""
+    """All decoder layers' weights, stacked [L, ...]. With ``bf16_bits``, a bfloat16
+    weight is stored as its uint16 bit pattern (``scan_safe``: the layer scan on CPU)."""
 
-    def __init__(self, config: ModelArchConfig, weights: dict, weight_map: dict[str, Weight], dtype) -> None:
+    def __init__(self, config: ModelArchConfig, weights: dict, weight_map: dict[str, Weight], dtypes: dict,
+                 bf16_bits: bool = False) -> None:
         for name, w in weight_map.items():
             # Quantized weights (int8 / fp8) and their scales (float32) keep their dtype.
             own = jnp.dtype(weights[name].dtype).itemsize == 1 or name.endswith("_scale")
-            setattr(self, name, make_param(name, weights[name], w, config, None if own else dtype))
+            param = make_param(name, weights[name], w, config, None if own else dtypes[name])
+            if bf16_bits and param.dtype == jnp.bfloat16:
+                param = nnx.Param(scan_safe(param[...]), out_sharding=w.partition, eager_sharding=False)
+            setattr(self, name, param)
 
 
 class LayerWeights(nnx.Module):
@@ -125,18 +131,27 @@ class LlamaForCausalLM(CausalLM):
         tied_head = (r"lm_head\.weight",) if config.tie_word_embeddings else ()  # a copy of embed_tokens
         return super().ignored_hf_tensors(config) + tied_head
 
-    def __init__(self, config: ModelArchConfig, weights: dict, *, dtype=jnp.float32,
+    def __init__(self, config: ModelArchConfig, weights: dict, *, dtype=jnp.float32, param_dtype=None,
                  scan_layers: bool = True, mesh: Mesh | None = None) -> None:
         """weights: our param name -> array of ``weight_map(config)``'s shape (the loader
-        passes them placed on the mesh, in ``dtype``). ``mesh``: the mesh they are placed
-        on, for the parts that run under shard_map (MoE experts); None: one device."""
+        passes them placed on the mesh, in ``dtype``). ``param_dtype``: the dtype of the
+        matmul weights (``matmul_weight_names``; None: ``dtype``), the activations and
+        everything else staying in ``dtype``. ``mesh``: the mesh they are placed on, for
+        the parts that run under shard_map (MoE experts); None: one device."""
         self.config = config
         self.scan_layers = scan_layers
         self.mesh = mesh
+        self.dtype = jnp.dtype(dtype)
         wm = param_map(type(self), config)
+        dtypes = dict.fromkeys(wm, dtype) | dict.fromkeys(matmul_weight_names(wm), param_dtype or dtype)
         self.embed_tokens = make_param("embed_tokens", weights["embed_tokens"], wm["embed_tokens"], config,
-                                       dtype)  # [PV, D]
-        self.layers = DecoderLayers(config, weights, {n: w for n, w in wm.items() if w.per_layer}, dtype)
+                                       dtypes["embed_tokens"])  # [PV, D]
+        # bf16 weights under float32 activations, in the layer scan on CPU: kept as their
+        # bit patterns (models.quantization.scan_safe) and bitcast back inside the loop.
+        bf16_bits = (scan_layers and jax.default_backend() == "cpu" and param_dtype is not None
+                     and jnp.dtype(param_dtype) == jnp.bfloat16 and jnp.dtype(dtype) == jnp.float32)
+        self.layers = DecoderLayers(config, weights, {n: w for n, w in wm.items() if w.per_layer}, dtypes,
+                                    bf16_bits=bf16_bits)
         if not scan_layers:
             # Unrolled, each layer reads arrays of its own. Static slices of the stacked
             # arrays inside the program are copied out on XLA:CPU: SmolLM2-sized layers'
@@ -146,7 +161,7 @@ class LlamaForCausalLM(CausalLM):
             self.layers = nnx.List([LayerWeights(self.layers, names, i) for i in range(config.num_hidden_layers)])
         self.norm = make_param("norm", weights["norm"], wm["norm"], config, dtype)  # [D]
         if not config.tie_word_embeddings:
-            self.lm_head = make_param("lm_head", weights["lm_head"], wm["lm_head"], config, dtype)  # [D, PV]
+            self.lm_head = make_param("lm_head", weights["lm_head"], wm["lm_head"], config, dtypes["lm_head"])  # [D, PV]
         # Not an nnx.Param: the loader places it replicated and keeps it float32 whatever
         # the params' dtype.
         self.inv_freq = nnx.Variable(jnp.asarray(
@@ -171,7 +186,7 @@ class LlamaForCausalLM(CausalLM):
 
     def embed(self, input_ids):
         """input_ids [T] -> [T, D] (Gemma scales by sqrt(D))."""
-        return self.embed_tokens[...][input_ids]
+        return self.embed_tokens[...][input_ids].astype(self.dtype)
 
     def rope_inv_freq(self, layer):
         """The rotary frequencies [H/2] of ``layer`` (Gemma 3: local layers have their own)."""
@@ -220,7 +235,7 @@ class LlamaForCausalLM(CausalLM):
             def body(carry, xs):
                 h, kv = carry
                 lw, layer = xs
-                h, kv = layer_fn(h, kv, lw, layer)
+                h, kv = layer_fn(h, kv, scan_safe(lw, restore=True), layer)
                 return (h, kv), None
 
             (h, kv_cache), _ = jax.lax.scan(body, (h, kv_cache), (stacked, jnp.arange(c.num_hidden_layers)))
@@ -235,7 +250,7 @@ class LlamaForCausalLM(CausalLM):
         appears in logprobs."""
         c = self.config
         if c.tie_word_embeddings:
-            logits = hidden @ self.embed_tokens[...].T
+            logits = matmul(hidden, self.embed_tokens[...], transposed=True)
         else:
-            logits = hidden @ self.lm_head[...]
+            logits = matmul(hidden, self.lm_head[...])
         return logits[:, :c.vocab_size].astype(jnp.float32)

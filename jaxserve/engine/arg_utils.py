@@ -77,6 +77,10 @@ class EngineArgs:
         "Model name in the API (default: the model argument, or SmolLM2-135M-Instruct)."))
     dtype: str = field(default="auto", metadata=_arg(
         "Weights / activation dtype (auto: float32 on CPU, bfloat16 on accelerators).", choices=DTYPES))
+    weight_dtype: str = field(default="auto", metadata=_arg(
+        "Dtype of the matmul weights (projections, embedding, lm_head), multiplied with float32 accumulation "
+        "(auto: --dtype's, except under --dtype auto on a CPU with AMX / AVX512-BF16: bfloat16 weights, "
+        "float32 activations and KV cache).", choices=DTYPES))
     quantization: str | None = field(default=None, metadata=_arg(
         "Weight-only quantization at load: int8 (per-channel symmetric; projections only, the embedding, "
         "lm_head, norms and MoE router stay in --dtype).", choices=_quantization_methods, flags=("-q",)))
@@ -218,7 +222,7 @@ class EngineArgs:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill else max_model_len
         model_config = ModelConfig(
-            model=path, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
+            model=path, tokenizer=self.tokenizer, dtype=self.dtype, weight_dtype=self.weight_dtype, seed=self.seed,
             served_model_name=self.served_model_name or self.model or DEFAULT_MODEL_NAME,
             max_logprobs=self.max_logprobs, attention_backend=self.attention_backend, scan_layers=self.scan_layers,
             generation_config=self.generation_config, override_generation_config=self.override_generation_config,

@@ -39,6 +39,7 @@ from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.engine.multihost import global_array
 from jaxserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 from jaxserve.runner.bucketing import BucketTable, default_buckets
+from jaxserve.runner.dtypes import resolve_dtype, resolve_weight_dtype
 from jaxserve.runner.executable_cache import ExecutableCache, fingerprint
 from jaxserve.runner.input_batch import CachedRequestState, InputBatch
 from jaxserve.runner.packed_inputs import PackedLayout
@@ -109,16 +110,6 @@ class InflightStep:
     prompt_logprobs: tuple | None  # the prompt-logprobs program's outputs, if it ran
 
 
-def resolve_dtype(dtype: str, platform: str):
-    if dtype in ("auto", None):
-        return jnp.float32 if platform == "cpu" else jnp.bfloat16
-    table = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
-             "half": jnp.float16}
-    if dtype not in table:
-        raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {dtype!r}")
-    return table[dtype]
-
-
 def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1) -> Mesh:
     """The ('data', 'model') mesh over the first dp * tp devices (all processes' devices
     in a multi-host run; jax.make_mesh orders them by the TPU topology)."""
@@ -158,6 +149,7 @@ class ModelRunner:
         sc, cc, mc, pc = config.scheduler_config, config.cache_config, config.model_config, config.parallel_config
         self.platform = jax.default_backend()
         self.dtype = resolve_dtype(mc.dtype, self.platform)
+        self.param_dtype = resolve_weight_dtype(mc.weight_dtype, mc.dtype, self.platform)
         # The KV pages' dtype: the model's, or float8 e4m3 (written saturating, widened by
         # the attention kernel as it loads them).
         self.kv_dtype = jnp.float8_e4m3fn if cc.cache_dtype.startswith("fp8") else self.dtype
@@ -205,7 +197,11 @@ class ModelRunner:
         self.arch, self.graphdef, self.state = load_model(model_path, mesh=self.mesh, dtype=self.dtype,
                                                           progress=progress, scan_layers=mc.scan_layers,
                                                           expert_parallel=pc.enable_expert_parallel,
-                                                          quantization=mc.quantization)
+                                                          quantization=mc.quantization,
+                                                          param_dtype=self.param_dtype)
+        if jnp.dtype(self.param_dtype) != jnp.dtype(self.dtype):
+            logger.info("Matmul weights in %s, activations and KV cache in %s (weight_dtype=%s)",
+                        jnp.dtype(self.param_dtype).name, jnp.dtype(self.dtype).name, mc.weight_dtype)
         self.vocab_size = self.arch.vocab_size
         logger.info("Loaded %s (%s) in %.1f s", model_path, self.arch.architecture, time.perf_counter() - t0)
         # On a CPU, a step of one token (and the sampler of one request) gets a bucket of

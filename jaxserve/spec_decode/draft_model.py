@@ -41,7 +41,7 @@ class DraftModelProposer:
         self.k = num_speculative_tokens
         self.runner = runner
         self.arch, self.graphdef, self.state = load_model(model_path, mesh=runner.mesh, dtype=runner.dtype,
-                                                          progress=progress,
+                                                          param_dtype=runner.param_dtype, progress=progress,
                                                           scan_layers=runner.config.model_config.scan_layers)
         if self.arch.vocab_size != runner.vocab_size:
             raise ValueError(f"speculative_config.model: the draft model's vocabulary ({self.arch.vocab_size}) "

@@ -1,4 +1,5 @@
 """dtype is selectable: bf16 params and KV cache run end to end."""
+import jax
 import jax.numpy as jnp
 from hf_reference import HFReference
 
@@ -51,3 +52,51 @@ def test_fp8_kv_cache_end_to_end(tiny_models):
         if m < 0.5:
             break
         assert res["fp8"][1][i] == ref[i]
+
+
+def test_bf16_weights_under_f32_activations(tiny_models):
+    """weight_dtype=bfloat16 with dtype=float32 (what dtype=auto picks on a CPU with AMX /
+    AVX512-BF16): the matmul weights are the f32 ones rounded to bf16 (stored as their
+    bit patterns under the CPU layer scan, bf16 arrays when unrolled, the same tokens
+    either way), norms / activations / KV cache stay f32, and the result stays close to
+    the f32 model's. The compiled step never widens a stacked weight to f32 (XLA:CPU
+    would, once per step, for a bf16 array the layer loop slices)."""
+    import re
+
+    import numpy as np
+
+    from models.quantization import scan_safe
+
+    path = tiny_models("llama", kv_heads=2)
+    prompt = list(range(10, 40))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    res, runners = {}, {}
+    for name, kw in (("f32", dict(dtype="float32")), ("bf16w", dict(dtype="float32", weight_dtype="bfloat16")),
+                     ("bf16w-unrolled", dict(dtype="float32", weight_dtype="bfloat16", scan_layers=False))):
+        llm = LLM(str(path), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory=4 << 20,
+                  compilation_cache=False, progress=False, enforce_eager=True, **kw)
+        runner = runners[name] = llm.llm_engine.model_runner
+        out = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
+        res[name] = (out.outputs[0].token_ids, np.array([out.prompt_logprobs[i][prompt[i]].logprob
+                                                         for i in range(1, len(prompt))]))
+    f32, bits = runners["f32"].state, runners["bf16w"].state
+    assert runners["bf16w"].dtype == jnp.float32 and runners["bf16w"].kv_cache.dtype == jnp.float32
+    assert bits["layers"]["q_proj"][...].dtype == jnp.uint16
+    np.testing.assert_array_equal(np.asarray(scan_safe(bits["layers"]["q_proj"][...], restore=True), np.float32),
+                                  np.asarray(f32["layers"]["q_proj"][...].astype(jnp.bfloat16), np.float32))
+    assert bits["embed_tokens"][...].dtype == jnp.bfloat16
+    assert bits["layers"]["input_layernorm"][...].dtype == jnp.float32 and bits["norm"][...].dtype == jnp.float32
+    assert runners["bf16w-unrolled"].state["layers"][0]["q_proj"][...].dtype == jnp.bfloat16
+    assert res["bf16w"][0] == res["bf16w-unrolled"][0]
+    np.testing.assert_allclose(res["bf16w"][1], res["bf16w-unrolled"][1], atol=1e-4)
+    assert 0 < np.abs(res["bf16w"][1] - res["f32"][1]).max() < 0.1
+    ref, margins = HFReference(path).greedy(prompt, 6)
+    for i, m in enumerate(margins):
+        if m < 0.5:
+            break
+        assert res["bf16w"][0][i] == ref[i]
+    hlo = runners["bf16w"].lower_model_step(16).compile().as_text()
+    stacked = [tuple(a.shape) for a in jax.tree.leaves(bits["layers"]) if a.dtype == jnp.uint16]
+    for shape in stacked:
+        dims = ",".join(map(str, shape))
+        assert not re.search(rf"(f32|bf16)\[{dims}\]", hlo), f"a stacked weight {shape} is widened or copied"

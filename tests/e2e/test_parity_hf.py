@@ -21,8 +21,10 @@ def run(llm, ps, max_tokens=MAX_TOKENS):
 
 
 def make_llm(path, **kw):
+    # float32 throughout: the oracle is HF in float32 (dtype=auto would take bf16 weights
+    # on a CPU with AMX / AVX512-BF16; tests/e2e/test_dtype.py covers that).
     base = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128, kv_cache_memory=8 << 20,
-                compilation_cache=False, progress=False, enforce_eager=True)
+                compilation_cache=False, progress=False, enforce_eager=True, dtype="float32")
     base.update(kw)
     return LLM(str(path), **base)
 

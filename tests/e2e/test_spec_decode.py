@@ -17,8 +17,11 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 
 
 def make_llm(path, spec=None, **kw):
+    # float32 throughout: speculation must give exactly the tokens of plain decoding, and
+    # bf16-rounded activations (dtype=auto's bf16 weights on a CPU with AMX) make a row's
+    # result depend on the step's shape.
     base = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, kv_cache_memory=8 << 20,
-                compilation_cache=False, progress=False, enforce_eager=True)
+                compilation_cache=False, progress=False, enforce_eager=True, dtype="float32")
     base.update(kw)
     llm = LLM(str(path), speculative_config=spec, **base)
     for s in llm.llm_engine.engine_core.schedulers:
@@ -190,7 +193,8 @@ def test_default_model_greedy_identity():
     chats = [[{"role": "user", "content": f"Rename `total` to `result` and return the whole code:\n\n{code}"}],
              [{"role": "user", "content": "What is the capital of France?"}]]
     sp = SamplingParams(temperature=0.0, max_tokens=32)
-    kw = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, progress=False, enforce_eager=True)
+    kw = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128, progress=False, enforce_eager=True,
+              dtype="float32")  # exact identity (see make_llm)
     want = [o.outputs[0].token_ids for o in LLM(None, **kw).chat(chats, sp, use_tqdm=False)]
     llm = LLM(None, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
                                         "prompt_lookup_max": 5}, **kw)

@@ -38,8 +38,10 @@ def test_int8_linear_error_bound():
 def _llm(path, **kw):
     from jaxserve import LLM
 
+    # float32 unless asked: these compare int8 / fp8 weights with the float32 ones (dtype=auto
+    # would take bf16 matmul weights on a CPU with AMX).
     base = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=4 << 20,
-                compilation_cache=False, progress=False, enforce_eager=True)
+                compilation_cache=False, progress=False, enforce_eager=True, dtype="float32")
     return LLM(str(path), **(base | kw))
 
 
