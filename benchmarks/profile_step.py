@@ -158,7 +158,8 @@ def main() -> None:
 
     print(machine_line())
     print(commit_line())
-    print(f"model {runner.arch.architecture}, dtype {jnp.dtype(runner.dtype).name}, prompt {args.prompt_len} tokens, "
+    print(f"model {runner.arch.architecture}, dtype {args.dtype} (activations {jnp.dtype(runner.dtype).name}, "
+          f"matmul weights {jnp.dtype(runner.param_dtype).name}), prompt {args.prompt_len} tokens, "
           f"{args.steps} decode steps per batch size, async scheduling {'on' if args.async_scheduling else 'off'}, "
           f"scan_layers {not args.no_scan_layers}")
     rows = []
@@ -231,22 +232,26 @@ def roofline(runner, batches) -> None:
     shapes = {"qkv": (a.hidden_size, (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim),
               "gate/up": (a.hidden_size, 2 * a.intermediate_size), "down": (a.intermediate_size, a.hidden_size),
               "lm_head": (a.hidden_size, a.vocab_size)}
-    print("\nXLA:CPU matmul GFLOP/s ([M, K] @ [K, N], f32, best of 10)")
-    print("| M | " + " | ".join(f"{k} {v[0]}x{v[1]}" for k, v in shapes.items()) + " |")
-    print("|---|" + "---|" * len(shapes))
+    from models.quantization import matmul
+
+    print("\nXLA:CPU matmul GFLOP/s ([M, K] @ [K, N], best of 10): float32, and bf16 weights "
+          "(x rounded to bf16, float32 accumulation: models.quantization.matmul)")
+    print("| M | weights | " + " | ".join(f"{k} {v[0]}x{v[1]}" for k, v in shapes.items()) + " |")
+    print("|---|---|" + "---|" * len(shapes))
     for m in batches:
-        cells = []
-        for k, n in shapes.values():
-            x, w = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
-            f = jax.jit(lambda x, w: x @ w)
-            jax.block_until_ready(f(x, w))
-            best = float("inf")
-            for _ in range(10):
-                t0 = time.perf_counter()
+        for wdt in (jnp.float32, jnp.bfloat16):
+            cells = []
+            for k, n in shapes.values():
+                x, w = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), wdt)
+                f = jax.jit(matmul)
                 jax.block_until_ready(f(x, w))
-                best = min(best, time.perf_counter() - t0)
-            cells.append(f"{2 * m * k * n / best / 1e9:.1f}")
-        print(f"| {m} | " + " | ".join(cells) + " |")
+                best = float("inf")
+                for _ in range(10):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(f(x, w))
+                    best = min(best, time.perf_counter() - t0)
+                cells.append(f"{2 * m * k * n / best / 1e9:.1f}")
+            print(f"| {m} | {jnp.dtype(wdt).name} | " + " | ".join(cells) + " |")
     x = jnp.ones((64 << 20) // 4, jnp.float32)  # 64 MiB
     f = jax.jit(lambda x: x + 1)
     jax.block_until_ready(f(x))
@@ -256,8 +261,9 @@ def roofline(runner, batches) -> None:
         jax.block_until_ready(f(x))
         best = min(best, time.perf_counter() - t0)
     print(f"\ncopy bandwidth (read + write 64 MiB): {2 * x.nbytes / best / 1e9:.1f} GB/s")
-    params = sum(v.size for v in jax.tree.leaves(runner.state))
-    print(f"params: {params / 1e6:.1f} M (x 4 bytes = {params * 4 / 2**20:.0f} MiB read per step)")
+    leaves = jax.tree.leaves(runner.state)
+    params, nbytes = sum(v.size for v in leaves), sum(v.nbytes for v in leaves)
+    print(f"params: {params / 1e6:.1f} M ({nbytes / 2**20:.0f} MiB read per step)")
 
 
 if __name__ == "__main__":
