@@ -4,9 +4,10 @@ models/mistral.py (sliding window), models/qwen2.py (q/k/v bias), models/qwen3.p
 
 Layer weights are stacked on a leading layer axis and the layers run under
 ``lax.scan`` (``scan_layers=False`` unrolls them), so compile time does not grow
-with depth. Projections are stored [in, out] so a matmul is ``x @ w``.
-On CPU, bf16 layer weights under float32 activations are stored as uint16 bit
-patterns for the scan (``scan_safe``). The KV cache is [L, P, S, 2K, H] (DESIGN §4) and is threaded through the scan; with
+with depth. Projections are stored [in, out] so a matmul is ``x @ w`` (``matmul``:
+bf16 weights under float32 activations multiply x rounded to bf16, and on CPU the
+stacked bf16 layer weights are stored as uint16 bit patterns for the scan, ``scan_safe``).
+The KV cache is [L, P, S, 2K, H] (DESIGN §4) and is threaded through the scan; with
 KV cache groups (Gemma's local and global layers, jaxserve/core/kv_cache_groups.py) its
 first axis is a group's slots, and the attention maps each layer to its slot.
 
