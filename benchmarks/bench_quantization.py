@@ -3,7 +3,8 @@
 
     python benchmarks/bench_quantization.py                # the default model
     python benchmarks/bench_quantization.py --variants float32:none float32:int8
-    python benchmarks/bench_quantization.py --variants float32:none float32:none:bfloat16 auto:none
+    python benchmarks/bench_quantization.py --variants float32:none float32:none:bfloat16 auto:none \
+        auto:none:auto:bfloat16
 
 Agreement is against the first variant (the reference): the share of the 64 greedy
 outputs that are identical, the mean length of the common prefix, and the mean |logprob
@@ -39,7 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--variants", nargs="+", default=["float32:none", "bfloat16:none", "float32:int8"],
-                    help="dtype:quantization[:weight_dtype] (default weight_dtype auto); the first is the reference")
+                    help="dtype:quantization[:weight_dtype[:kv_cache_dtype]] (default auto); the first is the reference")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
@@ -54,13 +55,15 @@ def main() -> None:
     ref = None
     rows = []
     for variant in args.variants:
-        dtype, quant, *weight_dtype = variant.split(":")
+        dtype, quant, *rest = variant.split(":")
+        weight_dtype, kv_dtype = (rest + ["auto", "auto"])[:2]
         quant = None if quant == "none" else quant
         t0 = time.perf_counter()
         llm = LLM(args.model, dtype=dtype, quantization=quant, max_model_len=512, max_num_seqs=64,
-                  max_num_batched_tokens=2048, weight_dtype=weight_dtype[0] if weight_dtype else "auto")
+                  max_num_batched_tokens=2048, weight_dtype=weight_dtype, kv_cache_dtype=kv_dtype)
         runner = llm.llm_engine.engine_core.model_runner
-        variant += f" (weights {np.dtype(runner.param_dtype).name}, activations {np.dtype(runner.dtype).name})"
+        variant += (f" (weights {np.dtype(runner.param_dtype).name}, activations {np.dtype(runner.dtype).name}, "
+                    f"KV {np.dtype(runner.kv_dtype).name})")
         startup = time.perf_counter() - t0
         outs = [o.outputs[0] for o in llm.chat(chat_prompts(), greedy, use_tqdm=False)]
         rng = np.random.default_rng(0)

@@ -65,7 +65,7 @@ class CacheConfig:
             raise ValueError("num_gpu_blocks_override must be at least 2 (the null block and one usable block)")
 
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,6 +4,7 @@ Only static (shape / dtype / Python value) checks: they run once per trace, neve
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
@@ -39,6 +40,8 @@ def to_cache_dtype(x, dtype):
     if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8:
         big = float(jnp.finfo(dtype).max)
         x = jnp.clip(x.astype(jnp.float32), -big, big)
+    if jnp.dtype(dtype) == jnp.uint16:  # a bf16 cache stored as bit patterns (reference.py)
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
     return x.astype(dtype)
 
 

@@ -55,7 +55,7 @@ class DraftModelProposer:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         r = self.runner
-        self.kv_cache = allocate_kv_cache(self.arch, num_blocks, r.block_size, r.kv_dtype, r.mesh)
+        self.kv_cache = allocate_kv_cache(self.arch, num_blocks, r.block_size, r.kv_storage_dtype, r.mesh)
 
     def _build(self) -> None:
         r = self.runner

@@ -21,7 +21,8 @@ def test_bfloat16_runs_and_agrees_on_clear_choices(tiny_models):
     llm = LLM(str(path), dtype="bfloat16", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
               kv_cache_memory=4 << 20, compilation_cache=False, progress=False, enforce_eager=True)
     runner = llm.llm_engine.model_runner
-    assert runner.kv_cache.dtype == jnp.bfloat16
+    # bf16 pages, kept as their bit patterns by the CPU's reference attention.
+    assert runner.kv_dtype == jnp.bfloat16 and runner.kv_cache.dtype == jnp.uint16
     assert runner.state["layers"]["q_proj"][...].dtype == jnp.bfloat16
     prompt = list(range(10, 40))
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
@@ -97,3 +98,34 @@ def test_bf16_weights_under_f32_activations(tiny_models):
     for shape in stacked:
         dims = ",".join(map(str, shape))
         assert not re.search(rf"(f32|bf16)\[{dims}\]", hlo), f"a stacked weight {shape} is widened or copied"
+
+
+def test_bf16_kv_cache_under_f32_activations(tiny_models):
+    """kv_cache_dtype=bfloat16 with float32 activations: twice the pages in the same
+    memory, kept as bf16 bit patterns by the CPU reference attention (XLA:CPU would widen
+    a bf16 cache per layer); the tokens of clear choices stay HF's and the prompt
+    logprobs stay close to a float32 cache's; the pallas kernel (interpreted) reads a real
+    bf16 cache and gives the same tokens."""
+    import numpy as np
+
+    path = tiny_models("llama", kv_heads=2)
+    prompt = list(range(10, 40))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    res = {}
+    for name, kw in (("f32", {}), ("bf16", dict(kv_cache_dtype="bfloat16")),
+                     ("bf16-pallas", dict(kv_cache_dtype="bfloat16", attention_backend="pallas"))):
+        llm = LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+                  kv_cache_memory=4 << 20, compilation_cache=False, progress=False, enforce_eager=True, **kw)
+        runner = llm.llm_engine.model_runner
+        want = {"f32": jnp.float32, "bf16": jnp.uint16, "bf16-pallas": jnp.bfloat16}[name]
+        assert runner.kv_cache.dtype == want
+        out = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
+        lps = np.array([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
+        res[name] = (runner.num_blocks, out.outputs[0].token_ids, lps)
+    assert res["bf16"][0] >= 2 * (res["f32"][0] - 1)
+    assert res["bf16"][1] == res["bf16-pallas"][1]
+    # The kernels round different operands to bf16 (the pallas kernel q for its products,
+    # the reference's prefill path none): bf16-level differences (2^-8 relative).
+    np.testing.assert_allclose(res["bf16"][2], res["bf16-pallas"][2], atol=2e-2)
+    assert 0 < np.abs(res["bf16"][2] - res["f32"][2]).max() < 0.05
+    assert_clear_choices_agree(res["bf16"][1], path, prompt)
