@@ -104,8 +104,8 @@ class EngineArgs:
         "Fraction of device memory for weights + KV cache."))
     num_gpu_blocks_override: int | None = field(default=None, metadata=_arg("Use exactly this many KV blocks."))
     kv_cache_dtype: str = field(default="auto", metadata=_arg(
-        "KV cache dtype: auto (the activations'), bfloat16 (half of float32; under float32 activations the "
-        "CPU's reference attention keeps the pages as bf16 bit patterns), or fp8 / fp8_e4m3 (float8 e4m3 pages, "
+        "KV cache dtype: auto (the activations'), bfloat16 (half of float32; the CPU's reference attention "
+        "keeps the pages as their bit patterns), or fp8 / fp8_e4m3 (float8 e4m3 pages, "
         "half of bf16; widened in the attention kernel; not on TPU hardware).", choices=KV_CACHE_DTYPES))
     kv_cache_memory: int | None = field(default=None, metadata=_arg(
         "KV cache size in bytes (overrides the measured budget; the CPU default is 1 GiB)."))

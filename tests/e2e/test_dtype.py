@@ -16,6 +16,21 @@ def assert_clear_choices_agree(tokens, path, prompt):
         assert tokens[i] == ref[i]
 
 
+def run_variants(path, prompt, variants, **common):
+    """Each variant's engine on ``prompt`` (6 greedy tokens, prompt logprobs): name ->
+    (runner, token ids, the prompt tokens' logprobs [len(prompt) - 1])."""
+    import numpy as np
+
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    res = {}
+    for name, kw in variants:
+        llm = LLM(str(path), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory=4 << 20,
+                  compilation_cache=False, progress=False, enforce_eager=True, **common, **kw)
+        out = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
+        res[name] = (llm.llm_engine.model_runner, out.outputs[0].token_ids,
+                     np.array([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))]))
+    return res
+
 def test_bfloat16_runs_and_agrees_on_clear_choices(tiny_models):
     path = tiny_models("llama", kv_heads=2)
     llm = LLM(str(path), dtype="bfloat16", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
@@ -38,18 +53,11 @@ def test_fp8_kv_cache_end_to_end(tiny_models):
 
     path = tiny_models("llama", kv_heads=2)
     prompt = list(range(10, 40))
-    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
-    res = {}
-    for name, kw in (("f32", {}), ("fp8", dict(kv_cache_dtype="fp8")),
-                     ("fp8-pallas", dict(kv_cache_dtype="fp8", attention_backend="pallas"))):
-        llm = LLM(str(path), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory=4 << 20,
-                  compilation_cache=False, progress=False, enforce_eager=True, **kw)
-        runner = llm.llm_engine.model_runner
+    res = run_variants(path, prompt, (("f32", {}), ("fp8", dict(kv_cache_dtype="fp8")),
+                                      ("fp8-pallas", dict(kv_cache_dtype="fp8", attention_backend="pallas"))))
+    for name, (runner, _, _) in res.items():
         assert runner.kv_cache.dtype == (jnp.float8_e4m3fn if "fp8" in name else jnp.float32)
-        out = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
-        lps = np.array([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
-        res[name] = (runner.num_blocks, out.outputs[0].token_ids, lps)
-    assert res["fp8"][0] >= 4 * (res["f32"][0] - 1)
+    assert res["fp8"][0].num_blocks >= 4 * (res["f32"][0].num_blocks - 1)
     assert res["fp8"][1] == res["fp8-pallas"][1]
     np.testing.assert_allclose(res["fp8"][2], res["fp8-pallas"][2], atol=1e-4)
     assert 0 < np.abs(res["fp8"][2] - res["f32"][2]).max() < 0.1
@@ -71,16 +79,11 @@ def test_bf16_weights_under_f32_activations(tiny_models):
 
     path = tiny_models("llama", kv_heads=2)
     prompt = list(range(10, 40))
-    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
-    res, runners = {}, {}
-    for name, kw in (("f32", dict(dtype="float32")), ("bf16w", dict(dtype="float32", weight_dtype="bfloat16")),
-                     ("bf16w-unrolled", dict(dtype="float32", weight_dtype="bfloat16", scan_layers=False))):
-        llm = LLM(str(path), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory=4 << 20,
-                  compilation_cache=False, progress=False, enforce_eager=True, **kw)
-        runner = runners[name] = llm.llm_engine.model_runner
-        out = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
-        res[name] = (out.outputs[0].token_ids, np.array([out.prompt_logprobs[i][prompt[i]].logprob
-                                                         for i in range(1, len(prompt))]))
+    res = run_variants(path, prompt, (("f32", {}), ("bf16w", dict(weight_dtype="bfloat16")),
+                                      ("bf16w-unrolled", dict(weight_dtype="bfloat16", scan_layers=False))),
+                       dtype="float32")
+    runners = {name: r[0] for name, r in res.items()}
+    res = {name: r[1:] for name, r in res.items()}
     f32, bits = runners["f32"].state, runners["bf16w"].state
     assert runners["bf16w"].dtype == jnp.float32 and runners["bf16w"].kv_cache.dtype == jnp.float32
     assert bits["layers"]["q_proj"][...].dtype == jnp.uint16
@@ -110,19 +113,12 @@ def test_bf16_kv_cache_under_f32_activations(tiny_models):
 
     path = tiny_models("llama", kv_heads=2)
     prompt = list(range(10, 40))
-    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
-    res = {}
-    for name, kw in (("f32", {}), ("bf16", dict(kv_cache_dtype="bfloat16")),
-                     ("bf16-pallas", dict(kv_cache_dtype="bfloat16", attention_backend="pallas"))):
-        llm = LLM(str(path), dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
-                  kv_cache_memory=4 << 20, compilation_cache=False, progress=False, enforce_eager=True, **kw)
-        runner = llm.llm_engine.model_runner
-        want = {"f32": jnp.float32, "bf16": jnp.uint16, "bf16-pallas": jnp.bfloat16}[name]
-        assert runner.kv_cache.dtype == want
-        out = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
-        lps = np.array([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
-        res[name] = (runner.num_blocks, out.outputs[0].token_ids, lps)
-    assert res["bf16"][0] >= 2 * (res["f32"][0] - 1)
+    res = run_variants(path, prompt, (("f32", {}), ("bf16", dict(kv_cache_dtype="bfloat16")),
+                                      ("bf16-pallas", dict(kv_cache_dtype="bfloat16", attention_backend="pallas"))),
+                       dtype="float32")
+    for name, want in (("f32", jnp.float32), ("bf16", jnp.uint16), ("bf16-pallas", jnp.bfloat16)):
+        assert res[name][0].kv_cache.dtype == want
+    assert res["bf16"][0].num_blocks >= 2 * (res["f32"][0].num_blocks - 1)
     assert res["bf16"][1] == res["bf16-pallas"][1]
     # The kernels round different operands to bf16 (the pallas kernel q for its products,
     # the reference's prefill path none): bf16-level differences (2^-8 relative).
