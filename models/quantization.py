@@ -131,21 +131,21 @@ def matmul(x, w, *, transposed: bool = False):
     accumulate in float32 either way. The transposed form is one dot_general: a
     transpose before the product cost XLA:CPU a copy of the whole table (lm_head
     [64, 576] x [49152, 576]: 39 against 3.5 ms)."""
-    contract = (((x.ndim - 1,), (1 if transposed else 0,)), ((), ()))
     if x.dtype not in _NARROW and w.dtype not in _NARROW:
         return x @ (w.T if transposed else w)
     low = w.dtype if w.dtype in _NARROW else x.dtype
-    one_row = x.ndim >= 1 and math.prod(x.shape[:-1]) == 1
-    if one_row and jax.default_backend() == "cpu":
+    xs = x
+    one_row = math.prod(x.shape[:-1]) == 1 and jax.default_backend() == "cpu"
+    if one_row:
         # One row is a vector-matrix product to XLA:CPU, which widens the whole weight to
         # float32 for it on every call (and skips x's rounding): the lm_head took 30 ms,
         # against 1.8 ms for the same row padded to 4 (3.5 ms in float32).
-        x4 = jnp.pad(x.reshape(1, -1), ((0, 3), (0, 0)))
-        out = jax.lax.dot_general(x4.astype(low), w.astype(low), (((1,), contract[0][1]), ((), ())),
-                                  preferred_element_type=jnp.float32)[:1]
-        return out.reshape(x.shape[:-1] + out.shape[-1:]).astype(x.dtype)
-    return jax.lax.dot_general(x.astype(low), w.astype(low), contract,
-                               preferred_element_type=jnp.float32).astype(x.dtype)
+        xs = jnp.pad(x.reshape(1, -1), ((0, 3), (0, 0)))
+    contract = (((xs.ndim - 1,), (1 if transposed else 0,)), ((), ()))
+    out = jax.lax.dot_general(xs.astype(low), w.astype(low), contract, preferred_element_type=jnp.float32)
+    if one_row:
+        out = out[:1].reshape(x.shape[:-1] + out.shape[-1:])
+    return out.astype(x.dtype)
 
 
 def scan_safe(tree, restore: bool = False):

@@ -24,6 +24,11 @@ def test_bf16_weight_rounds_the_input_and_accumulates_in_f32():
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
     # The transposed form ([out, in], a tied lm_head) is the same product.
     np.testing.assert_allclose(np.asarray(matmul(x, wb.T, transposed=True)), np.asarray(out), rtol=1e-6, atol=1e-6)
+    # One row (padded to 4 on CPU) and a bare vector give that row of the product.
+    for one in (x[:1], x[0]):
+        got = matmul(one, wb)
+        assert got.shape == one.shape[:-1] + (40,)
+        np.testing.assert_allclose(np.asarray(got).reshape(-1), want[0], rtol=1e-5, atol=1e-5)
     # bf16 activations keep their dtype (the product still accumulates in f32).
     assert matmul(x.astype(jnp.bfloat16), wb).dtype == jnp.bfloat16
 
