@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--no-compilation-cache", action="store_true", help="measure a cold warm-up")
     ap.add_argument("--no-scan-layers", action="store_true", help="unroll the decoder layers (scan_layers=False)")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--attention-backend", default="auto", help="auto, reference, native or pallas")
     ap.add_argument("--async-scheduling", action="store_true", help="the engine's --async-scheduling")
     args = ap.parse_args()
 
@@ -72,7 +73,7 @@ def main() -> None:
               max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, dtype=args.dtype,
               quantization=args.quantization, compilation_cache=not args.no_compilation_cache,
               scan_layers=not args.no_scan_layers, kv_cache_dtype=args.kv_cache_dtype,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, attention_backend=args.attention_backend)
     startup = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": p} for p in token_prompts]
     sp = SamplingParams(temperature=args.temperature, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
@@ -88,6 +89,7 @@ def main() -> None:
     print(f"dtype {args.dtype} (activations {np.dtype(runner.dtype).name}, matmul weights "
           f"{np.dtype(runner.param_dtype).name}), peers' dtype {args.peer_dtype}, "
           f"quantization {args.quantization}, kv cache {args.kv_cache_dtype}, "
+          f"attention {runner.attention_backend}, "
           f"scan_layers {not args.no_scan_layers}, async scheduling {args.async_scheduling}, prompts {len(token_prompts)} of "
           f"{min(map(len, token_prompts))}-{max(map(len, token_prompts))} tokens, output {args.output_len}")
     print(f"startup (load + warm-up): {startup:.1f} s; warm-up {llm.llm_engine.warmup_seconds:.1f} s, "

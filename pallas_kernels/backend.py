@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from models.attention_metadata import AttentionMetadata
 from pallas_kernels import reference
 
-BACKENDS = ("auto", "reference", "pallas")
+BACKENDS = ("auto", "reference", "pallas", "native")
 # The KV cache [L, P, S, 2K, H] is split by pages (axis 1) over the mesh's 'data' axis
 # (each data-parallel rank owns a slice of pages, its block ids local to the slice) and
 # by KV heads (axis 3) over 'model'; tokens [T, N, H] split the same way (a rank's tokens,
@@ -48,19 +48,37 @@ def _platform(platform: str | None) -> str:
 
 
 def resolve_backend(backend: str = "auto", platform: str | None = None) -> tuple[str, str]:
-    """(backend, platform) after resolving "auto" and platform aliases."""
+    """(backend, platform) after resolving "auto" and platform aliases.
+
+    "auto": pallas on tpu / gpu; on cpu the native kernel (pallas_kernels/cpu.py) where it
+    builds, else the reference. "native" is CPU-only and must build (ValueError otherwise)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; allowed values: {', '.join(BACKENDS)}")
     plat = _platform(platform)
     if backend == "auto":
-        backend = "pallas" if plat in ("tpu", "gpu") else "reference"
+        if plat in ("tpu", "gpu"):
+            backend = "pallas"
+        else:
+            from pallas_kernels import cpu
+
+            backend = "native" if cpu.available() else "reference"
+    elif backend == "native":
+        from pallas_kernels import cpu
+
+        if plat != "cpu":
+            raise ValueError(f"attention backend 'native' runs on the CPU only, not on {plat}; use auto or pallas")
+        if not cpu.available():
+            raise ValueError("attention backend 'native' needs the CPU kernel, which did not build here (no C++ "
+                             "compiler, or its build failed: see the log); use auto or reference")
     return backend, plat
 
 
 def get_attention_fn(backend: str = "auto", platform: str | None = None, interpret=False):
     """Ragged paged attention for ``backend`` on ``platform`` (default: jax.default_backend()).
 
-    "auto": pallas on tpu / gpu (cuda, rocm), reference on cpu. "reference": plain jnp.
+    "auto": pallas on tpu / gpu (cuda, rocm), native on cpu (reference where it does not
+    build). "reference": plain jnp. "native": the CPU kernel (pallas_kernels/cpu.py), with
+    the reference for dtypes it does not take (a float16 cache, say).
     "pallas": the Mosaic TPU kernel on tpu, the Triton-style kernel on gpu, and on cpu
     the TPU kernel in interpret mode (the legacy interpreter unless ``interpret`` is a
     ``pltpu.InterpretParams``), so the whole engine can run the pallas path on CPU.
@@ -69,6 +87,8 @@ def get_attention_fn(backend: str = "auto", platform: str | None = None, interpr
     backend, plat = resolve_backend(backend, platform)
     if backend == "reference":
         return reference.ragged_paged_attention
+    if backend == "native":
+        return native_or_reference
     if plat == "gpu":
         from pallas_kernels import gpu
 
@@ -80,12 +100,23 @@ def get_attention_fn(backend: str = "auto", platform: str | None = None, interpr
     return functools.partial(tpu.ragged_paged_attention, interpret=interpret)
 
 
+def native_or_reference(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float,
+                        sliding_window: int | None = None, soft_cap: float | None = None, layer=None):
+    """The "native" backend's kernel: the CPU kernel where it takes q's and the cache's
+    dtypes and head dim (pallas_kernels/cpu.py), the reference otherwise."""
+    from pallas_kernels import cpu
+
+    fn = cpu.ragged_paged_attention if cpu.supports(q, kv_cache) else reference.ragged_paged_attention
+    return fn(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+              sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)
+
+
 def get_kv_write_fn(backend: str = "auto", platform: str | None = None, interpret=False):
     """The KV-cache write for ``backend`` on ``platform``: the Pallas DMA kernel with
     the TPU kernel (on cpu in interpret mode, as get_attention_fn), the reference
     scatter everywhere else (XLA updates the donated cache in place on CPU and GPU)."""
     backend, plat = resolve_backend(backend, platform)
-    if backend == "reference" or plat == "gpu":
+    if backend in ("reference", "native") or plat == "gpu":
         return reference.write_kv_cache
     from pallas_kernels import kv_cache_update
 

@@ -89,7 +89,8 @@ class EngineArgs:
     seed: int = field(default=0, metadata=_arg("Seed for unseeded sampling."))
     max_logprobs: int = field(default=20, metadata=_arg("Most logprobs a request may ask for."))
     attention_backend: str = field(default="auto", metadata=_arg(
-        "Attention implementation (auto: pallas on GPU/TPU, reference on CPU).", choices=_attention_backends))
+        "Attention implementation (auto: pallas on GPU/TPU; on CPU native, the C++ kernel built on first use, or "
+        "reference where no compiler is found).", choices=_attention_backends))
     scan_layers: bool = field(default=True, metadata=_arg(
         "Run the decoder layers under lax.scan (compile time flat in depth); --no-scan-layers unrolls them."))
     generation_config: str = field(default="auto", metadata=_arg(

@@ -32,7 +32,7 @@ _FORMAT = 1
 
 
 def _source_digest() -> str:
-    """sha256 of every .py file of the packages whose code goes into a program."""
+    """sha256 of every .py (and native .cc) file of the packages whose code goes into a program."""
     import jaxserve
     import models
     import pallas_kernels
@@ -40,7 +40,7 @@ def _source_digest() -> str:
     h = hashlib.sha256()
     for pkg in (jaxserve, models, pallas_kernels):
         root = Path(pkg.__file__).parent
-        for path in sorted(root.rglob("*.py")):
+        for path in sorted([*root.rglob("*.py"), *root.rglob("*.cc")]):
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()

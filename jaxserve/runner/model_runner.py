@@ -156,12 +156,12 @@ class ModelRunner:
                          "bfloat16": jnp.bfloat16}.get(cc.cache_dtype, self.dtype)
         fp8_cache = jnp.dtype(self.kv_dtype).itemsize == 1
         backend = resolve_backend(mc.attention_backend, self.platform)[0]
-        # What the pages are stored as: the reference attention on CPU keeps a bf16 cache
-        # as its uint16 bit patterns (models.quantization.scan_safe's reason: XLA:CPU widens
-        # a bf16 array that the layer loop gathers from to float32, the whole cache per
-        # layer: 64.7 against 6.2 ms per layer for 64 decode rows).
+        # What the pages are stored as: on CPU a bf16 cache is kept as its uint16 bit
+        # patterns (models.quantization.scan_safe's reason: XLA:CPU widens a bf16 array
+        # that the layer loop gathers from or scatters into to float32, the whole cache per
+        # layer: 64.7 against 6.2 ms per layer for 64 decode rows); both CPU kernels read them.
         self.kv_storage_dtype = self.kv_dtype
-        if jnp.dtype(self.kv_dtype) == jnp.bfloat16 and self.platform == "cpu" and backend == "reference":
+        if jnp.dtype(self.kv_dtype) == jnp.bfloat16 and self.platform == "cpu" and backend in ("reference", "native"):
             self.kv_storage_dtype = jnp.uint16
         if fp8_cache and self.platform == "tpu" and backend == "pallas":
             raise ValueError("kv_cache_dtype=fp8 is not supported by the TPU attention kernel on hardware yet "
@@ -650,7 +650,8 @@ class ModelRunner:
             arrays += [self.draft.state, self.draft.kv_cache]
         # How the warm-up runs does not shape the programs: one file serves both ways.
         config = dataclasses.replace(self.config, background_warmup=False)
-        digest = fingerprint(config, [self.model_path, spec.model if spec is not None else None], arrays)
+        # "auto" resolves by what this machine has (the CPU kernel builds or not): key by the result.
+        digest = fingerprint((config, self.attention_backend), [self.model_path, spec.model if spec is not None else None], arrays)
         return ExecutableCache(os.path.join(directory, "jaxserve-executables"), digest)
 
     def _abstract_packed(self, layout: PackedLayout) -> jax.ShapeDtypeStruct:

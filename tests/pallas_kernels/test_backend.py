@@ -6,8 +6,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import backend, gpu, reference, tpu
+from pallas_kernels import backend, cpu, gpu, reference, tpu
 from rpa_cases import CASES, assert_matches_case, case_batch
+
+# This machine's CPU default: the native kernel where it builds (CI has g++).
+CPU_AUTO = "native" if cpu.available() else "reference"
 
 
 def _target(fn):
@@ -17,7 +20,8 @@ def _target(fn):
 @pytest.mark.parametrize(
     "name, platform, expected",
     [
-        ("auto", "cpu", "reference"),
+        ("auto", "cpu", CPU_AUTO),
+        ("native", "cpu", "native"),
         ("auto", "tpu", "pallas"),
         ("auto", "gpu", "pallas"),
         ("auto", "cuda", "pallas"),
@@ -30,7 +34,9 @@ def test_resolve_backend(name, platform, expected):
 
 
 def test_dispatch_targets():
-    assert backend.get_attention_fn("auto", "cpu") is reference.ragged_paged_attention
+    cpu_auto = backend.native_or_reference if CPU_AUTO == "native" else reference.ragged_paged_attention
+    assert backend.get_attention_fn("auto", "cpu") is cpu_auto
+    assert backend.get_attention_fn("reference", "cpu") is reference.ragged_paged_attention
     assert backend.get_attention_fn("reference", "cuda") is reference.ragged_paged_attention
     assert _target(backend.get_attention_fn("pallas", "tpu")) == (tpu.ragged_paged_attention, {"interpret": False})
     assert _target(backend.get_attention_fn("auto", "cuda")) == (gpu.ragged_paged_attention, {"interpret": False})
@@ -41,13 +47,13 @@ def test_dispatch_targets():
 
 
 def test_default_platform_is_jax_default_backend():
-    expected = "pallas" if jax.default_backend() in ("tpu", "gpu") else "reference"
+    expected = "pallas" if jax.default_backend() in ("tpu", "gpu") else CPU_AUTO
     assert backend.resolve_backend()[0] == expected
 
 
 @pytest.mark.parametrize("name", ["flash", "Pallas", "", "triton"])
 def test_unknown_backend_lists_allowed_values(name):
-    with pytest.raises(ValueError, match="auto, reference, pallas"):
+    with pytest.raises(ValueError, match="auto, reference, pallas, native"):
         backend.get_attention_fn(name, "cpu")
 
 
@@ -68,7 +74,8 @@ def test_pallas_backend_runs_on_cpu_inside_a_jitted_step():
     assert_matches_case(name, step(*case_batch(name).args()))
 
 
-@pytest.mark.parametrize("name, platform", [("reference", "cpu"), ("pallas", "cpu"), ("pallas", "tpu"), ("pallas", "gpu")])
+@pytest.mark.parametrize("name, platform", [("reference", "cpu"), ("pallas", "cpu"), ("pallas", "tpu"), ("pallas", "gpu"),
+                                            ("native", "cpu")])
 def test_every_backend_takes_the_reference_keywords(name, platform):
     params = inspect.signature(backend.get_attention_fn(name, platform)).parameters
     assert list(params)[:6] == ["q", "kv_cache", "kv_lens", "page_indices", "cu_q_lens", "num_seqs"]
@@ -79,6 +86,7 @@ def test_kv_write_dispatch():
     from pallas_kernels import kv_cache_update
 
     assert backend.get_kv_write_fn("auto", "cpu") is reference.write_kv_cache
+    assert backend.get_kv_write_fn("native", "cpu") is reference.write_kv_cache
     assert backend.get_kv_write_fn("pallas", "gpu") is reference.write_kv_cache  # XLA's scatter is in place
     assert _target(backend.get_kv_write_fn("pallas", "tpu")) == (kv_cache_update.write_kv_cache, {"interpret": False})
     assert _target(backend.get_kv_write_fn("pallas", "cpu")) == (kv_cache_update.write_kv_cache, {"interpret": True})
@@ -101,7 +109,8 @@ def scan_layers(attention, q, k, v, md, cache):
 
 def test_built_attention_writes_then_attends():
     """build_attention's per-layer function (KV write + kernel) gives the same output and
-    cache with the pallas path (interpreted) as with the reference, inside a jitted scan."""
+    cache with the pallas path (interpreted) and the native CPU kernel as with the
+    reference, inside a jitted scan."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -129,9 +138,10 @@ def test_built_attention_writes_then_attends():
         return np.asarray(cache_out), np.asarray(o)
 
     ref_cache, ref_o = run("reference")
-    cache_out, o = run("pallas")
-    np.testing.assert_array_equal(cache_out[:, 1:], ref_cache[:, 1:])  # the pallas write skips the null page
-    np.testing.assert_allclose(o[:, :6], ref_o[:, :6], rtol=2e-5, atol=2e-5)
+    for name in ("pallas", "native"):
+        cache_out, o = run(name)
+        np.testing.assert_array_equal(cache_out[:, 1:], ref_cache[:, 1:])  # the pallas write skips the null page
+        np.testing.assert_allclose(o[:, :6], ref_o[:, :6], rtol=2e-5, atol=2e-5)
     assert not np.array_equal(ref_cache[:, 3], np.asarray(cache)[:, 3])  # the new tokens were written
 
     # Two KV cache groups of one layer each, sharing one slot of a cache of 2P pages:
@@ -141,7 +151,7 @@ def test_built_attention_writes_then_attends():
         md, slot_mapping=jnp.asarray(np.stack([slots, np.where(slots > 0, slots + P * S, 0)], axis=1)),
         block_tables=jnp.asarray(np.stack([tables, np.where(tables > 0, tables + P, 0)], axis=1)))
     grouped_cache = jnp.concatenate([cache[0], cache[1]])[None]  # [1, 2P, S, 2K, H]
-    for name in ("reference", "pallas"):
+    for name in ("reference", "pallas", "native"):
         attention = backend.build_attention(name, "cpu", None, sm_scale=H ** -0.5, layer_group=(0, 1),
                                             layer_slot=(0, 0))
         cache_out, o = (np.asarray(a) for a in scan_layers(attention, q, k, v, grouped_md, grouped_cache))
@@ -155,7 +165,7 @@ def test_built_attention_fp8_cache_and_per_layer_windows(variant):
     """An fp8 (e4m3) cache, written saturating and widened by the kernels, with per-tensor
     k / v scales folded into the products; and per-layer windows (Gemma) under the layer
     scan. The TPU kernel (interpreted) and the GPU kernel (interpreted) match the
-    reference; fp8 stays close to the f32 cache's output."""
+    reference, and so does the native CPU kernel; fp8 stays close to the f32 cache's output."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -189,7 +199,7 @@ def test_built_attention_fp8_cache_and_per_layer_windows(variant):
         return [np.asarray(a.astype(jnp.float32)) for a in scan_layers(attention, q, k, v, md, cache)]
 
     ref_cache, ref_o = run("reference", "cpu")
-    for name, platform in (("pallas", "cpu"), ("pallas", "gpu")):
+    for name, platform in (("pallas", "cpu"), ("pallas", "gpu"), ("native", "cpu")):
         cache_out, o = run(name, platform)
         np.testing.assert_array_equal(cache_out[:, 1:], ref_cache[:, 1:])
         np.testing.assert_allclose(o[:, :35], ref_o[:, :35], rtol=2e-5, atol=2e-5)

@@ -1,0 +1,171 @@
+"""Ragged paged attention for the CPU as native code: an XLA FFI custom call.
+
+The kernel (csrc/ragged_paged_attention_cpu.cc) keeps reference.py's signature and
+semantics; it exists because XLA:CPU runs the reference's small batched products at
+10-20 GFLOP/s (decode attention was 81% of a 64-request step). It is compiled on this
+machine, once, with the system C++ compiler and ``-march=native``, into a cache keyed
+by the source, the compiler, the flags and the CPU's feature flags
+(``$JAXSERVE_KERNEL_CACHE``, default ``~/.cache/jaxserve/kernels``); ``make install``
+builds it ahead (``python -m pallas_kernels.cpu``). Where no compiler is found or the
+build fails, ``available()`` is False and the backend falls back to the reference.
+
+Cache dtypes: float32, bfloat16 (or the CPU runner's uint16 bit patterns), 8-bit floats
+(widened through a 256-entry table, exactly as ``astype(float32)``). q: float32 or bfloat16.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.inputs import layer_index, validate_inputs
+
+logger = logging.getLogger(__name__)
+
+SOURCE = pathlib.Path(__file__).parent / "csrc" / "ragged_paged_attention_cpu.cc"
+TARGET = "jaxserve_ragged_paged_attention_cpu_v1"
+_SYMBOL = "JaxserveRaggedPagedAttentionCpu"
+_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC", "-w")
+_CACHE_F32, _CACHE_BF16, _CACHE_BYTE_LUT = 0, 1, 2
+MAX_HEAD_DIM = 256  # the kernel's kMaxHeadVectors * 16
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _cache_dir() -> pathlib.Path:
+    root = os.environ.get("JAXSERVE_KERNEL_CACHE")
+    if root:
+        return pathlib.Path(root)
+    return pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "jaxserve" / "kernels"
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def library_path() -> pathlib.Path | None:
+    """The compiled kernel for this machine, built now if missing (None: no compiler, or
+    the build failed; the reason is logged)."""
+    cxx = _compiler()
+    if cxx is None:
+        logger.warning("no C++ compiler found (set CXX): CPU attention falls back to the reference kernel")
+        return None
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, _compiler_version(cxx), " ".join(_FLAGS), include,
+                                    jax.__version__, _cpu_flags()]).encode()).hexdigest()[:20]
+    out = _cache_dir() / f"rpa_cpu_{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: concurrent builders (pytest workers, two
+    # servers) each produce a whole file, and the last rename wins.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *_FLAGS, "-isystem", include, str(SOURCE), "-o", tmp]
+    print(f"jaxserve: compiling the CPU attention kernel ({pathlib.Path(cxx).name})...", file=sys.stderr, flush=True)
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.SubprocessError) as e:
+        res = None
+        err = str(e)
+    else:
+        err = res.stderr[-2000:]
+    if res is None or res.returncode != 0:
+        os.unlink(tmp)
+        logger.warning("building the CPU attention kernel failed (%s): falling back to the reference kernel\n%s",
+                       " ".join(cmd), err)
+        return None
+    os.replace(tmp, out)
+    return out
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the native kernel is built, loaded and registered with XLA (once per process)."""
+    path = library_path()
+    if path is None:
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
+    except (OSError, AttributeError) as e:
+        logger.warning("loading the CPU attention kernel %s failed (%s): falling back to the reference kernel", path, e)
+        return False
+    return True
+
+
+def supports(q, kv_cache) -> bool:
+    """Whether the kernel takes these arrays' dtypes and head dim (else: the reference)."""
+    return (jnp.dtype(q.dtype) in (jnp.float32, jnp.bfloat16) and _cache_kind(kv_cache.dtype) is not None
+            and q.shape[-1] <= MAX_HEAD_DIM)
+
+
+def _cache_kind(dtype) -> int | None:
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float32:
+        return _CACHE_F32
+    if dtype in (jnp.bfloat16, jnp.uint16):
+        return _CACHE_BF16
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
+        return _CACHE_BYTE_LUT
+    return None
+
+
+@functools.cache
+def _byte_table(dtype) -> np.ndarray:
+    """The float32 value of each of an 8-bit float type's 256 bit patterns."""
+    return np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+
+
+def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float,
+                           sliding_window: int | None = None, soft_cap: float | None = None, layer=None):
+    """reference.ragged_paged_attention's contract, as one native call (see the module docstring).
+
+    q: [T, N, H]; kv_cache: [P, S, 2K, H] (or [L, P, S, 2K, H] with ``layer``); kv_lens [R],
+    page_indices [R, Pmax], cu_q_lens [R+1] int32; num_seqs int32 scalar. Returns o [T, N, H].
+    """
+    validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, sliding_window=sliding_window, soft_cap=soft_cap)
+    kind = _cache_kind(kv_cache.dtype)
+    if not supports(q, kv_cache):
+        raise ValueError(f"the CPU kernel takes q in float32 / bfloat16, a float32, bfloat16 or 8-bit float cache and "
+                         f"head_dim <= {MAX_HEAD_DIM}, got q {q.dtype} {q.shape}, kv_cache {kv_cache.dtype}")
+    if not available():
+        raise RuntimeError("the CPU attention kernel is not available (no C++ compiler, or its build failed)")
+    lut = _byte_table(jnp.dtype(kv_cache.dtype)) if kind == _CACHE_BYTE_LUT else np.zeros((256,), np.float32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(q, kv_cache, kv_lens, page_indices, cu_q_lens, jnp.reshape(num_seqs, (1,)).astype(jnp.int32),
+                layer_index(kv_cache, layer), jnp.asarray(lut), sm_scale=np.float32(sm_scale),
+                sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
+                cache_kind=np.int32(kind))
+
+
+if __name__ == "__main__":
+    # `make install` builds the kernel ahead, so the first server start does not wait for it.
+    logging.basicConfig(level=logging.INFO)
+    print(f"CPU attention kernel: {library_path() if available() else 'not available (reference kernel instead)'}")
