@@ -78,6 +78,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--kv-cache-gib", type=int, default=4)
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--attention-backend", default="auto", help="auto, reference, native or pallas")
     ap.add_argument("--async-scheduling", action="store_true", help="the engine's --async-scheduling")
     ap.add_argument("--no-scan-layers", action="store_true", help="unroll the decoder layers (scan_layers=False)")
     args = ap.parse_args()
@@ -96,7 +98,8 @@ def main() -> None:
     llm = LLM(args.model, max_model_len=args.prompt_len + max_tokens + 16, max_num_seqs=max_b,
               max_num_batched_tokens=max(args.max_num_batched_tokens, max_b), dtype=args.dtype,
               kv_cache_memory=args.kv_cache_gib << 30,  # every batch size's requests fit at once
-              async_scheduling=args.async_scheduling, scan_layers=not args.no_scan_layers)
+              async_scheduling=args.async_scheduling, scan_layers=not args.no_scan_layers,
+              kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend)
     engine = llm.llm_engine
     core = engine.engine_core
     sched, runner = core.schedulers[0], core.model_runner
@@ -161,7 +164,8 @@ def main() -> None:
     print(f"model {runner.arch.architecture}, dtype {args.dtype} (activations {jnp.dtype(runner.dtype).name}, "
           f"matmul weights {jnp.dtype(runner.param_dtype).name}), prompt {args.prompt_len} tokens, "
           f"{args.steps} decode steps per batch size, async scheduling {'on' if args.async_scheduling else 'off'}, "
-          f"scan_layers {not args.no_scan_layers}")
+          f"scan_layers {not args.no_scan_layers}, attention {runner.attention_backend}, "
+          f"KV cache {jnp.dtype(runner.kv_dtype).name}")
     rows = []
     for b in args.batch:
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

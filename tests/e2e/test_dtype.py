@@ -36,7 +36,7 @@ def test_bfloat16_runs_and_agrees_on_clear_choices(tiny_models):
     llm = LLM(str(path), dtype="bfloat16", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
               kv_cache_memory=4 << 20, compilation_cache=False, progress=False, enforce_eager=True)
     runner = llm.llm_engine.model_runner
-    # bf16 pages, kept as their bit patterns by the CPU's reference attention.
+    # bf16 pages, kept as their bit patterns by the CPU attention kernels (reference and native).
     assert runner.kv_dtype == jnp.bfloat16 and runner.kv_cache.dtype == jnp.uint16
     assert runner.state["layers"]["q_proj"][...].dtype == jnp.bfloat16
     prompt = list(range(10, 40))
@@ -46,20 +46,27 @@ def test_bfloat16_runs_and_agrees_on_clear_choices(tiny_models):
 
 
 def test_fp8_kv_cache_end_to_end(tiny_models):
-    """kv_cache_dtype=fp8: e4m3 pages (4x the f32 pages in the same memory), the reference
-    and the pallas kernel (interpreted) give the same tokens, and clear choices agree with
-    the f32 cache; prompt logprobs stay close."""
+    """kv_cache_dtype=fp8: e4m3 pages (4x the f32 pages in the same memory), the reference,
+    the pallas kernel (interpreted) and the native CPU kernel give the same tokens, and clear
+    choices agree with the f32 cache; prompt logprobs stay close."""
     import numpy as np
 
     path = tiny_models("llama", kv_heads=2)
     prompt = list(range(10, 40))
-    res = run_variants(path, prompt, (("f32", {}), ("fp8", dict(kv_cache_dtype="fp8")),
-                                      ("fp8-pallas", dict(kv_cache_dtype="fp8", attention_backend="pallas"))))
+    res = run_variants(path, prompt, (("f32", {}), ("fp8", dict(kv_cache_dtype="fp8", attention_backend="reference")),
+                                      ("fp8-pallas", dict(kv_cache_dtype="fp8", attention_backend="pallas")),
+                                      ("fp8-native", dict(kv_cache_dtype="fp8", attention_backend="native"))))
     for name, (runner, _, _) in res.items():
         assert runner.kv_cache.dtype == (jnp.float8_e4m3fn if "fp8" in name else jnp.float32)
     assert res["fp8"][0].num_blocks >= 4 * (res["f32"][0].num_blocks - 1)
-    assert res["fp8"][1] == res["fp8-pallas"][1]
+    assert res["fp8"][1] == res["fp8-pallas"][1] == res["fp8-native"][1]
     np.testing.assert_allclose(res["fp8"][2], res["fp8-pallas"][2], atol=1e-4)
+    # The native kernel's float32 arithmetic differs from the reference's in the last bit
+    # (its own exp, another summation order; with an f32 cache this model's logprobs come
+    # out equal). The next layer's K/V are rounded to e4m3 (a quantum of 1/8 relative),
+    # and one such rounding flipped by that last bit moved one prompt logprob by 1e-3
+    # here. The kernel reads fp8 exactly as the reference does (tests/pallas_kernels/test_cpu.py).
+    np.testing.assert_allclose(res["fp8"][2], res["fp8-native"][2], atol=5e-3)
     assert 0 < np.abs(res["fp8"][2] - res["f32"][2]).max() < 0.1
     assert_clear_choices_agree(res["fp8"][1], path, prompt)
 
