@@ -137,10 +137,13 @@ def _cache_kind(dtype) -> int | None:
     return None
 
 
-@functools.cache
-def _byte_table(dtype) -> np.ndarray:
-    """The float32 value of each of an 8-bit float type's 256 bit patterns."""
-    return np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+def _byte_table(dtype) -> jax.Array:
+    """[256] float32: the value of each of an 8-bit float type's bit patterns (zeros for
+    other caches). Computed in the program from an iota: a constant array would be hoisted
+    into a hidden argument, and the executable cache does not save such programs."""
+    if _cache_kind(dtype) != _CACHE_BYTE_LUT:
+        return jnp.zeros((256,), jnp.float32)
+    return jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), dtype).astype(jnp.float32)
 
 
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float,
@@ -157,10 +160,9 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
                          f"head_dim <= {MAX_HEAD_DIM}, got q {q.dtype} {q.shape}, kv_cache {kv_cache.dtype}")
     if not available():
         raise RuntimeError("the CPU attention kernel is not available (no C++ compiler, or its build failed)")
-    lut = _byte_table(jnp.dtype(kv_cache.dtype)) if kind == _CACHE_BYTE_LUT else np.zeros((256,), np.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, kv_cache, kv_lens, page_indices, cu_q_lens, jnp.reshape(num_seqs, (1,)).astype(jnp.int32),
-                layer_index(kv_cache, layer), jnp.asarray(lut), sm_scale=np.float32(sm_scale),
+                layer_index(kv_cache, layer), _byte_table(kv_cache.dtype), sm_scale=np.float32(sm_scale),
                 sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
                 cache_kind=np.int32(kind))
 
