@@ -52,15 +52,28 @@ def apply_penalties(logits, md: SamplingMetadata):
     return logits
 
 
-def argmax_ids(x):
-    """argmax over the last axis as int32 ids; ties go to the lowest id.
+ARGMAX_CHUNK = 256
 
-    jnp.argmax, not a max then a min over the matching ids: with jax 0.10's XLA:CPU
-    the two-reduction form fused with what produced its input (the lm_head, the
-    min_tokens mask) and cost 79 against 47 ms at [64, 49152] on the 2-core CI VM
-    (matmul alone 38 ms), 241 against 164 ms at 256 rows. A NaN row also gets a valid
-    id this way (the first NaN), where the two reductions returned V."""
-    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+def argmax_ids(x):
+    """argmax over the last axis of [R, V] as int32 ids; ties go to the lowest id. A row
+    with NaN gets some id in [0, V) (XLA:CPU's max reduction may drop a NaN; making it win
+    cost lm_head + argmax 5.6 against 3.9 ms).
+
+    In two levels: the maximum of each chunk of ARGMAX_CHUNK ids, the first chunk holding
+    the row's maximum, then the argmax inside that chunk alone. XLA:CPU's single
+    (value, index) reduction over the vocabulary is slow: at [64, 49152] 5.0 ms against
+    0.5 (lm_head + argmax 9.4 against 3.9 ms, on the AMX VM). Not a max then a min over
+    the matching ids: that fused with the lm_head and cost 79 against 47 ms on the CI VM."""
+    r, v = x.shape
+    c = min(ARGMAX_CHUNK, v)
+    n = -(-v // c)
+    if n * c != v:  # padded with -inf: never the first maximum (ties go to the lowest id)
+        x = jnp.pad(x, ((0, 0), (0, n * c - v)), constant_values=-jnp.inf)
+    chunks = x.reshape(r, n, c)
+    best = jnp.argmax(jnp.max(chunks, axis=-1), axis=-1)  # [R]
+    inside = jnp.argmax(jnp.take_along_axis(chunks, best[:, None, None], axis=1)[:, 0], axis=-1)
+    return (best * c + inside).astype(jnp.int32)
 
 
 def apply_top_k_top_p_min_p(logits, md: SamplingMetadata):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxserve.sample.metadata import SamplingMetadata
-from jaxserve.sample.sampler import apply_penalties, apply_top_k_top_p_min_p, sample
+from jaxserve.sample.sampler import ARGMAX_CHUNK, apply_penalties, apply_top_k_top_p_min_p, argmax_ids, sample
 
 V = 64
 
@@ -27,6 +27,27 @@ def test_greedy_is_argmax():
     s, *_ = sample(logits, md(4, temperature=np.zeros(4, np.float32)), greedy_only=True, use_penalties=False,
                    num_logprobs=0)
     assert np.array_equal(np.asarray(s), np.argmax(np.asarray(logits), -1))
+
+
+@pytest.mark.parametrize("v", [ARGMAX_CHUNK * 3, ARGMAX_CHUNK * 3 + 77, 50])
+def test_argmax_ids_is_jnp_argmax(v):
+    """The two-level argmax (chunk maxima, then inside the first best chunk) = jnp.argmax:
+    ties to the lowest id (also across chunks), an all -inf row gives 0, +inf wins, a
+    vocabulary that is not a multiple of the chunk (padded with -inf); a row with NaN gets
+    a valid id."""
+    rng = np.random.default_rng(v)
+    x = rng.standard_normal((8, v)).astype(np.float32)
+    x[1, [5, v - 1]] = 9.0  # a tie far apart: the lower id
+    x[2, v - 1] = 9.0  # the maximum in the padded last chunk
+    x[3, [v // 2, v - 2]] = np.nan
+    x[4] = -np.inf
+    x[5, :] = 1.0  # all tied
+    x[6, v // 3] = np.inf
+    got = np.asarray(jax.jit(argmax_ids)(jnp.asarray(x)))
+    rows = [0, 1, 2, 4, 5, 6, 7]
+    np.testing.assert_array_equal(got[rows], np.argmax(x[rows], axis=-1))
+    assert got[1] == 5 and got[2] == v - 1 and got[4] == 0 and got[5] == 0 and got[6] == v // 3
+    assert 0 <= got[3] < v
 
 
 def test_min_tokens_masks_only_stop_ids():  # SA-01
