@@ -79,7 +79,7 @@ struct Problem {
 };
 
 struct Item {
-  int32_t req, t0, nq, kh;
+  int32_t req, t0, nq, kh0, kh1;  // KV heads [kh0, kh1)
   int64_t pos0, lo, hi;  // the first token's position; the keys the item reads: [lo, hi]
   int64_t cost;
 };
@@ -106,6 +106,25 @@ inline float hsum(v16 x) {
                __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
   const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// Sixteen vectors' horizontal sums as one vector: lane j = the sum of p[j]'s lanes. A
+// tree of two-source shuffles (15 steps of two shuffles and an add, against 16 separate
+// horizontal sums of ~7 operations each); the lanes come out in order.
+inline v16 hsum16(const v16* p) {
+  v16 a[8], b[4], c[2];
+  for (int k = 0; k < 8; ++k)  // lanes 0-7: p[2k]'s halves summed, 8-15: p[2k+1]'s
+    a[k] = __builtin_shufflevector(p[2 * k], p[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * k], p[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
+  for (int k = 0; k < 4; ++k)  // four lanes each of p[4k .. 4k+3]
+    b[k] = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * k], a[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int k = 0; k < 2; ++k)  // two lanes each of p[8k .. 8k+7]
+    c[k] = __builtin_shufflevector(b[2 * k], b[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * k], b[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 inline float hmax(v16 x) {
@@ -172,7 +191,9 @@ inline const float* load_row(const Problem& p, const uint8_t* row, float* buf) {
 // Per-thread scratch, sized for the largest item.
 struct Scratch {
   std::vector<float> q, acc, m, l, keys, keys_t, values, scores;
+  std::vector<v16> partials;
   void reserve(int64_t rows, int64_t hp) {
+    partials.resize(kTransposeRows * kTile);
     q.resize(rows * hp);
     acc.resize(rows * hp);
     m.resize(rows);
@@ -187,32 +208,35 @@ struct Scratch {
 template <int kHV>
 void run_item(const Problem& p, const Item& it, Scratch& sc) {
   constexpr int64_t hp = 16 * kHV;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t g = p.groups, h = p.head_dim;
-  const int64_t rows = int64_t(it.nq) * g;
-  const bool transposed = rows >= kTransposeRows;
+  const int64_t head_rows = int64_t(it.nq) * g;  // rows per KV head
+  const int64_t heads = it.kh1 - it.kh0;
+  const bool transposed = head_rows >= kTransposeRows;
   float* q = sc.q.data();
   float* acc = sc.acc.data();
   float* m = sc.m.data();
   float* l = sc.l.data();
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  // Rows are (token i, group member gg): query head kh * G + gg of token t0 + i.
-  for (int64_t i = 0; i < it.nq; ++i) {
-    for (int64_t gg = 0; gg < g; ++gg) {
-      const int64_t row = i * g + gg;
-      const int64_t off = ((int64_t(it.t0) + i) * p.n_heads + int64_t(it.kh) * g + gg) * h;
-      float* dst = q + row * hp;
-      if (p.bf16_q) {
-        const uint16_t* s = static_cast<const uint16_t*>(p.q) + off;
-        for (int64_t d = 0; d < h; ++d) dst[d] = bf16_bits_to_f32(s[d]) * p.sm_scale;
-      } else {
-        const float* s = static_cast<const float*>(p.q) + off;
-        for (int64_t d = 0; d < h; ++d) dst[d] = s[d] * p.sm_scale;
-      }
-      std::fill(dst + h, dst + hp, 0.0f);
-      std::fill(acc + row * hp, acc + (row + 1) * hp, 0.0f);
-      m[row] = kNegInf;
-      l[row] = 0.0f;
+  // Row (KV head kh, token i, group member gg) at (kh - kh0) * head_rows + i * G + gg:
+  // query head kh * G + gg of token t0 + i.
+  auto q_offset = [&](int64_t row) {
+    const int64_t kh = it.kh0 + row / head_rows, i = row % head_rows / g, gg = row % g;
+    return ((int64_t(it.t0) + i) * p.n_heads + kh * g + gg) * h;
+  };
+  for (int64_t row = 0; row < heads * head_rows; ++row) {
+    const int64_t off = q_offset(row);
+    float* dst = q + row * hp;
+    if (p.bf16_q) {
+      const uint16_t* s = static_cast<const uint16_t*>(p.q) + off;
+      for (int64_t d = 0; d < h; ++d) dst[d] = bf16_bits_to_f32(s[d]) * p.sm_scale;
+    } else {
+      const float* s = static_cast<const float*>(p.q) + off;
+      for (int64_t d = 0; d < h; ++d) dst[d] = s[d] * p.sm_scale;
     }
+    std::fill(dst + h, dst + hp, 0.0f);
+    std::fill(acc + row * hp, acc + (row + 1) * hp, 0.0f);
+    m[row] = kNegInf;
+    l[row] = 0.0f;
   }
 
   const int64_t row_bytes = h * p.elem_bytes;
@@ -222,118 +246,124 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
   float* keys_t = sc.keys_t.data();
   float* values = sc.values.data();
   float* scores = sc.scores.data();
-  const float* vrow[kTile];
+  v16* partials = sc.partials.data();
   v16i lane;
   for (int j = 0; j < kTile; ++j) lane[j] = j;
-  // The K row of the key at `pos` (V follows it), or null for a key the item does not
-  // read: outside [lo, hi], or behind a page-table entry out of range.
-  auto key_row = [&](int64_t pos) -> const uint8_t* {
+  // The slot of the key at `pos` (K of head kh at + 2 kh row_bytes, its V after it), or
+  // null for a key the item does not read: outside [lo, hi], or behind a page-table
+  // entry out of range.
+  auto slot = [&](int64_t pos) -> const uint8_t* {
     if (pos < it.lo || pos > it.hi || pos / p.page_size >= p.pmax) return nullptr;
     const int64_t page = pages[pos / p.page_size];
     if (page < 0 || page >= p.num_pages) return nullptr;
-    return p.cache + (page * p.page_size + pos % p.page_size) * slot_stride + 2 * int64_t(it.kh) * row_bytes;
+    return p.cache + (page * p.page_size + pos % p.page_size) * slot_stride;
   };
-  const int64_t kv_bytes = 2 * row_bytes;
-  // Rows are asked for kPrefetchTiles tiles ahead: pages are scattered, so the hardware
-  // prefetcher cannot guess them, and a decode item does too little work per row to hide
-  // a miss (64 requests' decode, 30 layers: 55.8 ms without, 48.2 one tile ahead, 47.9 two).
+  // An item reads its heads' rows of each slot: one contiguous run (all of the slot when
+  // it has every head), which the hardware prefetcher follows within a page. Pages are
+  // scattered, so the next tiles' runs are asked for ahead.
+  const int64_t run_begin = 2 * it.kh0 * row_bytes, run_bytes = 2 * heads * row_bytes;
   constexpr int kPrefetchTiles = 2;
   auto prefetch_tile = [&](int64_t k0) {
-    for (int j = 0; j < kTile; ++j) {
-      if (const uint8_t* next = key_row(k0 + j))
-        for (int64_t b = 0; b < kv_bytes; b += 64) __builtin_prefetch(next + b);
-    }
+    for (int j = 0; j < kTile; ++j)
+      if (const uint8_t* next = slot(k0 + j))
+        for (int64_t b = 0; b < run_bytes; b += 64) __builtin_prefetch(next + run_begin + b);
   };
+  const uint8_t* slots[kTile];
+  const float* vrow[kTile];
   for (int64_t k0 = it.lo / kTile * kTile; k0 <= it.hi; k0 += kTile) {
     prefetch_tile(k0 + kPrefetchTiles * kTile);
-    // The tile's K and V rows (absent keys read as zeros, so that a NaN in an unused
-    // slot never reaches a product).
-    for (int j = 0; j < kTile; ++j) {
-      const int64_t pos = k0 + j;
-      const uint8_t* k_row = key_row(pos);
-      const float* kr = load_row<kHV>(p, k_row, keys + j * hp);
-      vrow[j] = load_row<kHV>(p, k_row ? k_row + row_bytes : nullptr, values + j * hp);
-      if (transposed) {
-        for (int64_t d = 0; d < hp; ++d) keys_t[d * kTile + j] = kr[d];
-      } else {
-        // Scores of every row against this key: one dot product each.
-        v16 kv[kHV];
-        for (int i = 0; i < kHV; ++i) kv[i] = load16(kr + 16 * i);
-        for (int64_t row = 0; row < rows; ++row) {
-          const float* qr = q + row * hp;
-          v16 part = load16(qr) * kv[0];
-          for (int i = 1; i < kHV; ++i) part += load16(qr + 16 * i) * kv[i];
-          scores[row * kTile + j] = hsum(part);
-        }
-      }
-    }
-    if (transposed) {
-      // Scores [rows, kTile]: the tile's keys side by side, a broadcast-FMA per head dim.
-      int64_t r0 = 0;
-      for (; r0 + 4 <= rows; r0 += 4) {
-        v16 s0{}, s1{}, s2{}, s3{};
-        const float* q0 = q + r0 * hp;
-        for (int64_t d = 0; d < hp; ++d) {
-          const v16 kt = load16(keys_t + d * kTile);
-          s0 += q0[d] * kt;
-          s1 += q0[hp + d] * kt;
-          s2 += q0[2 * hp + d] * kt;
-          s3 += q0[3 * hp + d] * kt;
-        }
-        store16(scores + r0 * kTile, s0);
-        store16(scores + (r0 + 1) * kTile, s1);
-        store16(scores + (r0 + 2) * kTile, s2);
-        store16(scores + (r0 + 3) * kTile, s3);
-      }
-      for (; r0 < rows; ++r0) {
-        v16 s0{};
-        for (int64_t d = 0; d < hp; ++d) s0 += q[r0 * hp + d] * load16(keys_t + d * kTile);
-        store16(scores + r0 * kTile, s0);
-      }
-    }
-    // Online softmax per row over the tile's keys it may see.
+    for (int j = 0; j < kTile; ++j) slots[j] = slot(k0 + j);
     const v16i kpos = lane + int32_t(k0 - it.pos0);  // key positions relative to the item's first token
-    for (int64_t row = 0; row < rows; ++row) {
-      const int32_t rel = int32_t(row / g);  // the row's position relative to the first token
-      v16 s = load16(scores + row * kTile);
-      if (p.soft_cap != 0.0f)
-        for (int j = 0; j < kTile; ++j) s[j] = p.soft_cap * std::tanh(s[j] / p.soft_cap);
-      v16i ok = kpos <= rel;
-      if (p.window > 0) ok &= kpos > rel - int32_t(p.window);
-      s = ok ? s : splat(kNegInf);
-      const float tile_max = hmax(s);
-      if (tile_max == kNegInf) continue;
-      const float m_new = std::max(m[row], tile_max);
-      const float alpha = m[row] == kNegInf ? 0.0f : exp16(splat(m[row] - m_new))[0];
-      const v16 e = ok ? exp16(s - m_new) : v16{};
-      l[row] = alpha * l[row] + hsum(e);
-      m[row] = m_new;
-      float* a = acc + row * hp;
-      v16 ar[kHV];
-      for (int i = 0; i < kHV; ++i) ar[i] = load16(a + 16 * i) * alpha;
+    for (int64_t kh = it.kh0; kh < it.kh1; ++kh) {
+      const int64_t r0 = (kh - it.kh0) * head_rows;
+      float* hq = q + r0 * hp;
+      // This head's K and V rows of the tile (absent keys read as zeros, so that a NaN
+      // in an unused slot never reaches a product), and the scores [head_rows, kTile].
       for (int j = 0; j < kTile; ++j) {
-        const float w = e[j];
-        if (w == 0.0f) continue;
-        const float* v = vrow[j];
-        for (int i = 0; i < kHV; ++i) ar[i] += w * load16(v + 16 * i);
+        const uint8_t* k_row = slots[j] ? slots[j] + 2 * kh * row_bytes : nullptr;
+        const float* kr = load_row<kHV>(p, k_row, keys + j * hp);
+        vrow[j] = load_row<kHV>(p, k_row ? k_row + row_bytes : nullptr, values + j * hp);
+        if (transposed) {
+          for (int64_t d = 0; d < hp; ++d) keys_t[d * kTile + j] = kr[d];
+        } else {
+          // Every row against this key: 16 partial sums each, reduced after the tile.
+          v16 kv[kHV];
+          for (int i = 0; i < kHV; ++i) kv[i] = load16(kr + 16 * i);
+          for (int64_t row = 0; row < head_rows; ++row) {
+            const float* qr = hq + row * hp;
+            v16 part = load16(qr) * kv[0];
+            for (int i = 1; i < kHV; ++i) part += load16(qr + 16 * i) * kv[i];
+            partials[row * kTile + j] = part;
+          }
+        }
       }
-      for (int i = 0; i < kHV; ++i) store16(a + 16 * i, ar[i]);
+      if (!transposed)
+        for (int64_t row = 0; row < head_rows; ++row) store16(scores + row * kTile, hsum16(partials + row * kTile));
+      if (transposed) {
+        // The tile's keys side by side: a broadcast-FMA per head dim, four rows at a time.
+        int64_t row = 0;
+        for (; row + 4 <= head_rows; row += 4) {
+          v16 s0{}, s1{}, s2{}, s3{};
+          const float* q0 = hq + row * hp;
+          for (int64_t d = 0; d < hp; ++d) {
+            const v16 kt = load16(keys_t + d * kTile);
+            s0 += q0[d] * kt;
+            s1 += q0[hp + d] * kt;
+            s2 += q0[2 * hp + d] * kt;
+            s3 += q0[3 * hp + d] * kt;
+          }
+          store16(scores + row * kTile, s0);
+          store16(scores + (row + 1) * kTile, s1);
+          store16(scores + (row + 2) * kTile, s2);
+          store16(scores + (row + 3) * kTile, s3);
+        }
+        for (; row < head_rows; ++row) {
+          v16 s0{};
+          for (int64_t d = 0; d < hp; ++d) s0 += hq[row * hp + d] * load16(keys_t + d * kTile);
+          store16(scores + row * kTile, s0);
+        }
+      }
+      // Online softmax per row over the tile's keys it may see.
+      for (int64_t row = 0; row < head_rows; ++row) {
+        const int64_t r = r0 + row;
+        const int32_t rel = int32_t(row / g);  // the row's position relative to the first token
+        v16 s = load16(scores + row * kTile);
+        if (p.soft_cap != 0.0f)
+          for (int j = 0; j < kTile; ++j) s[j] = p.soft_cap * std::tanh(s[j] / p.soft_cap);
+        v16i ok = kpos <= rel;
+        if (p.window > 0) ok &= kpos > rel - int32_t(p.window);
+        s = ok ? s : splat(kNegInf);
+        const float tile_max = hmax(s);
+        if (tile_max == kNegInf) continue;
+        const float m_new = std::max(m[r], tile_max);
+        const float alpha = m[r] == kNegInf ? 0.0f : exp16(splat(m[r] - m_new))[0];
+        const v16 e = ok ? exp16(s - m_new) : v16{};
+        l[r] = alpha * l[r] + hsum(e);
+        m[r] = m_new;
+        float* a = acc + r * hp;
+        v16 ar[kHV];
+        for (int i = 0; i < kHV; ++i) ar[i] = load16(a + 16 * i) * alpha;
+        for (int j = 0; j < kTile; ++j) {
+          const float w = e[j];
+          if (w == 0.0f) continue;
+          const float* v = vrow[j];
+          for (int i = 0; i < kHV; ++i) ar[i] += w * load16(v + 16 * i);
+        }
+        for (int i = 0; i < kHV; ++i) store16(a + 16 * i, ar[i]);
+      }
     }
   }
   // Normalise and store.
-  for (int64_t i = 0; i < it.nq; ++i) {
-    for (int64_t gg = 0; gg < g; ++gg) {
-      const int64_t row = i * g + gg;
-      const int64_t off = ((int64_t(it.t0) + i) * p.n_heads + int64_t(it.kh) * g + gg) * h;
-      const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
-      const float* a = acc + row * hp;
-      if (p.bf16_q) {
-        uint16_t* d = static_cast<uint16_t*>(p.o) + off;
-        for (int64_t x = 0; x < h; ++x) d[x] = f32_to_bf16_bits(a[x] * inv);
-      } else {
-        float* d = static_cast<float*>(p.o) + off;
-        for (int64_t x = 0; x < h; ++x) d[x] = a[x] * inv;
-      }
+  for (int64_t row = 0; row < heads * head_rows; ++row) {
+    const int64_t off = q_offset(row);
+    const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+    const float* a = acc + row * hp;
+    if (p.bf16_q) {
+      uint16_t* d = static_cast<uint16_t*>(p.o) + off;
+      for (int64_t x = 0; x < h; ++x) d[x] = f32_to_bf16_bits(a[x] * inv);
+    } else {
+      float* d = static_cast<float*>(p.o) + off;
+      for (int64_t x = 0; x < h; ++x) d[x] = a[x] * inv;
     }
   }
 }
@@ -361,7 +391,7 @@ struct Shared {
 void work(const Problem& p, const Item* items, Shared& sh) {
   thread_local Scratch sc;
   const int64_t hv = (p.head_dim + kLanes - 1) / kLanes;
-  sc.reserve(int64_t(kMaxQueries) * p.groups, kLanes * hv);
+  sc.reserve(int64_t(kMaxQueries) * p.n_heads, kLanes * hv);
   const ItemFn run = pick(hv, std::make_integer_sequence<int, kMaxHeadVectors>{});
   const int64_t n = sh.size;
   for (int64_t i = sh.next.fetch_add(1); i < n; i = sh.next.fetch_add(1)) {
@@ -413,20 +443,28 @@ ffi::Error Attention(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi:
   const int32_t* cu = cu_q_lens.typed_data();
   const int64_t seqs = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, r);
   const int64_t k_heads = two_k / 2;
+  // Items of every KV head, contiguous reads of whole slots; split per head when there
+  // are too few items to keep the threads busy (a long single-request decode).
   std::vector<Item> items;
-  for (int64_t s = 0; s < seqs; ++s) {
-    const int64_t start = std::clamp<int64_t>(cu[s], 0, t), end = std::clamp<int64_t>(cu[s + 1], start, t);
-    const int64_t prefix = int64_t(lens[s]) - (end - start);
-    for (int64_t t0 = start; t0 < end; t0 += kMaxQueries) {
-      const int64_t nq = std::min<int64_t>(kMaxQueries, end - t0);
-      const int64_t pos0 = prefix + (t0 - start);
-      if (pos0 < 0) continue;  // malformed row (more queries than keys): left as zeros
-      const int64_t lo = sliding_window > 0 ? std::max<int64_t>(pos0 - sliding_window + 1, 0) : 0;
-      const int64_t hi = pos0 + nq - 1;
-      for (int64_t kh = 0; kh < k_heads; ++kh)
-        items.push_back(Item{int32_t(s), int32_t(t0), int32_t(nq), int32_t(kh), pos0, lo, hi,
-                             nq * p.groups * (hi - lo + 1)});
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  for (int pass = 0; pass < 2; ++pass) {
+    const int64_t per_item = pass == 0 ? k_heads : 1;
+    items.clear();
+    for (int64_t s = 0; s < seqs; ++s) {
+      const int64_t start = std::clamp<int64_t>(cu[s], 0, t), end = std::clamp<int64_t>(cu[s + 1], start, t);
+      const int64_t prefix = int64_t(lens[s]) - (end - start);
+      for (int64_t t0 = start; t0 < end; t0 += kMaxQueries) {
+        const int64_t nq = std::min<int64_t>(kMaxQueries, end - t0);
+        const int64_t pos0 = prefix + (t0 - start);
+        if (pos0 < 0) continue;  // malformed row (more queries than keys): left as zeros
+        const int64_t lo = sliding_window > 0 ? std::max<int64_t>(pos0 - sliding_window + 1, 0) : 0;
+        const int64_t hi = pos0 + nq - 1;
+        for (int64_t kh = 0; kh < k_heads; kh += per_item)
+          items.push_back(Item{int32_t(s), int32_t(t0), int32_t(nq), int32_t(kh), int32_t(kh + per_item), pos0, lo,
+                               hi, nq * p.groups * per_item * (hi - lo + 1)});
+      }
     }
+    if (int64_t(items.size()) >= 4 * threads || k_heads == 1) break;
   }
   // Zero every output row first: padded tokens, and rows an item skipped.
   std::memset(out->untyped_data(), 0, out->size_bytes());

@@ -40,6 +40,23 @@ def test_matches_naive_loop_odd_shapes():
     np.testing.assert_array_equal(out[t:], 0.0)
 
 
+@pytest.mark.parametrize("window, soft_cap", [(None, None), (40, 3.0)])
+def test_many_requests_against_the_naive_loop(window, soft_cap):
+    """Enough work items (decode rows, a long chunked prefill, a prefix hit) that each
+    reads the slots of all its KV heads at once, bf16 queries and cache: the float64 loop."""
+    seqs = [(1, n) for n in (5, 80, 17, 300, 64, 1, 129, 33, 250, 16)] + [(40, 140), (23, 23), (0, 7)]
+    b = make_batch(seqs, num_heads=12, num_kv_heads=4, head_dim=64, page_size=16, seed=5)
+    kw = dict(sm_scale=0.125, sliding_window=window, soft_cap=soft_cap)
+    out = np.asarray(_native(*b.args(), **kw))
+    t = sum(q for q, _ in seqs)
+    np.testing.assert_allclose(out[:t], naive_attention(b, **kw)[:t], atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(out[t:], 0.0)
+    bf = _native(b.q.astype(jnp.bfloat16), b.kv_cache.astype(jnp.bfloat16), *b.args()[2:], **kw)
+    assert bf.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(bf.astype(jnp.float32))[:t], naive_attention(b, **kw)[:t], atol=3e-2,
+                               rtol=3e-2)
+
+
 def test_stacked_cache_in_a_layer_scan():
     """[L, P, S, 2K, H] with a traced layer index: each layer reads its own slab in place."""
     name = "smollm_heads_9_3_h64_cap"
@@ -80,8 +97,10 @@ def test_narrow_caches_read_as_the_reference_widens_them(cache_dtype):
 
 def test_a_row_does_not_depend_on_its_batch():
     """A request's decode output is bit-identical alone and among others (no cross-row
-    reduction, and tiles are aligned to key positions, not to the batch)."""
-    seqs = ((1, 50), (1, 300), (1, 17), (1, 129))
+    reduction, and tiles are aligned to key positions, not to the batch). Ten requests
+    make items of all KV heads; one alone is split per head (too few items for the
+    threads): the same arithmetic either way."""
+    seqs = ((1, 50), (1, 300), (1, 17), (1, 129), (1, 1), (1, 64), (1, 65), (1, 200), (1, 33), (1, 16))
     kw = dict(sm_scale=0.125)
     together = make_batch(seqs, num_heads=9, num_kv_heads=3, head_dim=64, page_size=16, seed=3)
     out = np.asarray(_native(*together.args(), **kw))
