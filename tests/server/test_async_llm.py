@@ -167,9 +167,22 @@ def test_abort_keeps_outputs_queued_before_it():
     assert [(c.index, c.finish_reason) for c in merged[0].outputs] == [(0, "abort")]
 
 
+def settled_steps(llm: AsyncLLM, quiet: float = 0.3, timeout: float = 10.0) -> int:
+    """The engine's step count once it has stopped stepping: an earlier test's last step
+    may still be in its bookkeeping after that test saw its outputs (num_steps counts a
+    step when the step ends)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        steps = llm.get_stats().num_steps
+        time.sleep(quiet)
+        if llm.get_stats().num_steps == steps and llm.get_stats().num_unfinished_requests == 0:
+            return steps
+    raise AssertionError(f"the engine was still stepping after {timeout} s")
+
+
 def test_validation_errors_in_callers_context(tiny_async_llm):
     llm = tiny_async_llm
-    steps = llm.get_stats().num_steps
+    steps = settled_steps(llm)
 
     async def first(prompt, params, rid):
         async for out in llm.generate(prompt, params, rid):
