@@ -2,9 +2,9 @@
 //
 // Why native code: decode attention is gathers and small batched products (a few query
 // rows per KV head), which XLA:CPU runs at 10-20 GFLOP/s whatever the jnp formulation
-// (reference.py). This kernel reads each request's live pages in place, widens them
-// once per tile of 16 keys into L1-resident buffers, and spreads the work over XLA's
-// intra-op thread pool.
+// (reference.py). This kernel reads each request's live pages in place (an f32 row is
+// used where it lies; narrower ones are widened once per tile into an L1-resident
+// buffer) and spreads the work over XLA's intra-op thread pool.
 //
 // Semantics are reference.ragged_paged_attention's (the oracle, tests/pallas_kernels):
 //   q [T, N, H] (f32 or bf16); kv_cache [P, S, 2K, H] or stacked [L, P, S, 2K, H] with
@@ -15,11 +15,12 @@
 //   <= its own (and > its own - sliding_window). o [T, N, H] in q's dtype; padded
 //   tokens get zeros.
 //
-// Work items: (request, block of up to kMaxQueries consecutive tokens, KV head); an
-// item's rows are its tokens x the G query heads of that KV head. Keys go by tiles of
-// kTile positions aligned to multiples of kTile, each with an online-softmax update per
-// row, so a row's result depends only on its own query and keys: not on the batch it
-// came in, nor on the block it shares (rows of an item are independent).
+// Work items: (request, block of up to kMaxQueries consecutive tokens, KV heads): all
+// heads, so that an item reads whole slots, or one head each when that leaves too few
+// items for the threads. An item's rows are its tokens x the query heads of its KV heads.
+// Keys go by tiles of kTile positions aligned to multiples of kTile, each with an
+// online-softmax update per row, so a row's result depends only on its own query and
+// keys: not on the batch it came in, nor on the item it shares (rows are independent).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
