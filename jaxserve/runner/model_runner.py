@@ -155,7 +155,8 @@ class ModelRunner:
         self.kv_dtype = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
                          "bfloat16": jnp.bfloat16}.get(cc.cache_dtype, self.dtype)
         fp8_cache = jnp.dtype(self.kv_dtype).itemsize == 1
-        backend = resolve_backend(mc.attention_backend, self.platform)[0]
+        # "auto" resolved once: on CPU it depends on whether the native kernel builds.
+        self.attention_backend = backend = resolve_backend(mc.attention_backend, self.platform)[0]
         # What the pages are stored as: on CPU a bf16 cache is kept as its uint16 bit
         # patterns (models.quantization.scan_safe's reason: XLA:CPU widens a bf16 array
         # that the layer loop gathers from or scatters into to float32, the whole cache per
@@ -262,7 +263,6 @@ class ModelRunner:
                                          self.vocab_size, self.kv_cache_layout.num_groups) for _ in range(self.dp)]
         self.requests: dict[str, CachedRequestState] = {}
         self._seed_rng = np.random.default_rng(mc.seed)
-        self.attention_backend, _ = resolve_backend(mc.attention_backend, self.platform)
         # A float8 cache uses the checkpoint's KV scales (kv_cache_scheme) when it has them.
         self.kv_cache_scales = (self.arch.kv_cache_scales or (1.0, 1.0)) if fp8_cache else (1.0, 1.0)
         if self.arch.kv_cache_scales and not fp8_cache:
@@ -651,7 +651,8 @@ class ModelRunner:
         # How the warm-up runs does not shape the programs: one file serves both ways.
         config = dataclasses.replace(self.config, background_warmup=False)
         # "auto" resolves by what this machine has (the CPU kernel builds or not): key by the result.
-        digest = fingerprint((config, self.attention_backend), [self.model_path, spec.model if spec is not None else None], arrays)
+        digest = fingerprint((config, self.attention_backend),
+                             [self.model_path, spec.model if spec is not None else None], arrays)
         return ExecutableCache(os.path.join(directory, "jaxserve-executables"), digest)
 
     def _abstract_packed(self, layout: PackedLayout) -> jax.ShapeDtypeStruct:
