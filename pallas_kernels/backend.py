@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from models.attention_metadata import AttentionMetadata
-from pallas_kernels import reference
+from pallas_kernels import cpu, reference
 
 BACKENDS = ("auto", "reference", "pallas", "native")
 # The KV cache [L, P, S, 2K, H] is split by pages (axis 1) over the mesh's 'data' axis
@@ -59,12 +59,8 @@ def resolve_backend(backend: str = "auto", platform: str | None = None) -> tuple
         if plat in ("tpu", "gpu"):
             backend = "pallas"
         else:
-            from pallas_kernels import cpu
-
             backend = "native" if cpu.available() else "reference"
     elif backend == "native":
-        from pallas_kernels import cpu
-
         if plat != "cpu":
             raise ValueError(f"attention backend 'native' runs on the CPU only, not on {plat}; use auto or pallas")
         if not cpu.available():
@@ -104,8 +100,6 @@ def native_or_reference(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                         sliding_window: int | None = None, soft_cap: float | None = None, layer=None):
     """The "native" backend's kernel: the CPU kernel where it takes q's and the cache's
     dtypes and head dim (pallas_kernels/cpu.py), the reference otherwise."""
-    from pallas_kernels import cpu
-
     fn = cpu.ragged_paged_attention if cpu.supports(q, kv_cache) else reference.ragged_paged_attention
     return fn(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
               sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)

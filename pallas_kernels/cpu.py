@@ -45,14 +45,16 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> frozenset[str]:
+    """This machine's CPU feature flags (Linux x86: /proc/cpuinfo; empty elsewhere)."""
     try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return ""
+    return frozenset()
 
 
 def _cache_dir() -> pathlib.Path:
@@ -78,7 +80,7 @@ def library_path() -> pathlib.Path | None:
         return None
     include = jax.ffi.include_dir()
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, _compiler_version(cxx), " ".join(_FLAGS), include,
-                                    jax.__version__, _cpu_flags()]).encode()).hexdigest()[:20]
+                                    jax.__version__, " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:20]
     out = _cache_dir() / f"rpa_cpu_{key}.so"
     if out.exists():
         return out

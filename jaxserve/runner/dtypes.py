@@ -41,11 +41,6 @@ def resolve_weight_dtype(weight_dtype: str | None, dtype: str | None, platform: 
 @functools.cache
 def cpu_has_native_bf16() -> bool:
     """Whether this machine's CPU multiplies bf16 in hardware (Linux x86: /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return any(flag in line.split() for flag in _BF16_FLAGS)
-    except OSError:
-        pass
-    return False
+    from pallas_kernels.cpu import cpu_flags
+
+    return not cpu_flags().isdisjoint(_BF16_FLAGS)

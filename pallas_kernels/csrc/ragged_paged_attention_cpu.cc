@@ -474,7 +474,7 @@ ffi::Error Attention(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi:
 
   const int64_t n_items = int64_t(items.size());
   auto shared = std::make_shared<Shared>(n_items);
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n_items - 1);
+  const int64_t helpers = std::min<int64_t>(threads - 1, n_items - 1);
   const Item* list = items.data();
   for (int64_t i = 0; i < helpers; ++i) {
     pool.Schedule([shared, p, list]() {

@@ -152,5 +152,5 @@ def test_build_is_cached_per_source_and_machine(monkeypatch, tmp_path):
     assert first is not None and first.parent == tmp_path
     mtime = first.stat().st_mtime_ns
     assert cpu.library_path() == first and first.stat().st_mtime_ns == mtime
-    monkeypatch.setattr(cpu, "_cpu_flags", lambda: "flags : sse2")  # another machine
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"sse2"}))  # another machine
     assert cpu.library_path() != first
