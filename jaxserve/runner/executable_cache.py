@@ -31,6 +31,17 @@ logger = logging.getLogger("jaxserve")
 _FORMAT = 1
 
 
+def _package_root(pkg) -> Path:
+    """The folder of a regular package. A namespace package (no ``__init__.py``, so no
+    ``__file__``) means the name resolved to some other folder on ``sys.path`` (such as a
+    test directory that shares the name) and its digest would hash the wrong sources."""
+    if getattr(pkg, "__file__", None) is None:
+        raise ImportError(
+            f"{pkg.__name__!r} resolved to {list(getattr(pkg, '__path__', []))}, a folder without __init__.py, "
+            f"not the project's package: a directory of that name shadows it on sys.path")
+    return Path(pkg.__file__).parent
+
+
 def _source_digest() -> str:
     """sha256 of every .py (and native .cc) file of the packages whose code goes into a program."""
     import jaxserve
@@ -39,7 +50,7 @@ def _source_digest() -> str:
 
     h = hashlib.sha256()
     for pkg in (jaxserve, models, pallas_kernels):
-        root = Path(pkg.__file__).parent
+        root = _package_root(pkg)
         for path in sorted([*root.rglob("*.py"), *root.rglob("*.cc")]):
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.core.sched.output import SchedulerOutput
-from jaxserve.engine.multihost import global_array
+from jaxserve.distributed.arrays import global_array
 from jaxserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 from jaxserve.runner.bucketing import BucketTable, default_buckets
 from jaxserve.runner.dtypes import resolve_dtype, resolve_weight_dtype

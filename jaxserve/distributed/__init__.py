@@ -1,0 +1,1 @@
+"""Multi-process (multi-host) building blocks below the engine and the runner."""
