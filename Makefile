@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install test serve clean
+.PHONY: install install-test test serve clean
 
 install: $(STAMP)
 
@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml
 $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install -e '.[test]'
 	touch $(TEST_STAMP)
+
+install-test: $(TEST_STAMP)
 
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
