@@ -18,8 +18,9 @@ import jaxserve
 from jaxserve.engine.async_llm import AsyncLLM
 from server.errors import APIError, engine_dead, internal_error
 from server.lifecycle import install_draining
-from server.limits import ServerLimits, install_limits
+from server.limits import ServerLimits
 from server.metrics import PrometheusStatLogger
+from server.middleware import install_limits
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

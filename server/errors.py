@@ -7,7 +7,7 @@ from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
-from jaxserve.engine.async_llm import EngineDeadError, EngineOverloadedError, EngineStepError, StreamOverflowError
+from jaxserve.engine.exceptions import EngineDeadError, EngineOverloadedError, EngineStepError, StreamOverflowError
 from jaxserve.outputs import RequestFailedError
 from server.protocol import ErrorInfo, ErrorResponse
 

@@ -8,7 +8,8 @@ Threads:
 - callers (usually one asyncio event loop) validate and tokenize requests in their own
   context with a separate tokenizer, so bad requests raise ValueError / TypeError there
   (HTTP 400) and never reach the engine.
-- outputs are handed over with ``loop.call_soon_threadsafe``, once per step and loop.
+- outputs are handed over with ``loop.call_soon_threadsafe``, once per step and loop,
+  to each request's RequestStream (request_stream.py).
 
 Abort (vLLM's semantics): ``abort(request_id)`` ends the caller's stream at once; the
 engine thread applies the abort between steps, so a request's KV blocks are freed only
@@ -31,85 +32,20 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import PrefixCachingMetrics
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core import combine_stats
+from jaxserve.engine.exceptions import (  # noqa: F401  (StreamOverflowError: re-exported for callers)
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStepError,
+    StreamOverflowError,
+)
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.request_stream import _ABORTED, RequestStream, deliver
 from jaxserve.engine.stats import EngineStats, FinishedRequestStats, IterationStats, RankStats, StatLogger
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.runner.compilation_cache import enable_compilation_cache
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jaxserve")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed (or was shut down); no request can be served any more."""
-
-
-class EngineStepError(EngineDeadError):
-    """What a request in flight gets when a step fails (or stalls past the iteration
-    timeout) without saying which request is at fault: the error itself (HTTP 500).
-    The engine is dead afterwards (new requests: EngineDeadError, HTTP 503)."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """Too many requests waiting: retry later (HTTP 503 with Retry-After)."""
-
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class StreamOverflowError(RuntimeError):
-    """The caller stopped reading: more outputs queued than allowed, so the request was aborted."""
-
-
-# ----------------------------------------------------------------------------- streams
-_ABORTED = object()  # queue sentinel: the caller aborted the request
-
-
-class RequestStream:
-    """Per-request hand-over point between the engine thread and one event loop.
-
-    The engine thread only reads ``closed`` and the timing fields it owns; everything
-    that touches ``queue`` runs on ``loop``."""
-
-    __slots__ = ("request_id", "loop", "queue", "closed", "n", "prompt", "prompt_token_ids", "arrival_time",
-                 "first_token_time", "last_output_time", "num_generation_tokens", "max_queued", "on_overflow")
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, n: int, prompt, prompt_token_ids, *,
-                 max_queued: int | None = None, on_overflow=None) -> None:
-        self.request_id = request_id
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.closed = False  # set by the caller side (finished, aborted, failed)
-        self.n = n
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.arrival_time = time.monotonic()
-        # Engine-thread bookkeeping for metrics.
-        self.first_token_time: float | None = None
-        self.last_output_time: dict[int, float] = {}
-        self.num_generation_tokens = 0
-        # A caller that stops reading (a stalled client) must not hold its request, and
-        # the memory of its outputs, for ever: past max_queued unread outputs it is aborted.
-        self.max_queued = max_queued
-        self.on_overflow = on_overflow
-
-
-def _deliver(items: list) -> None:
-    """Runs on the event loop: put each (stream, item) on its queue; a stream whose
-    reader fell more than max_queued outputs behind gets a StreamOverflowError and its
-    request is aborted."""
-    for stream, item in items:
-        if stream.closed:
-            continue
-        if stream.max_queued is not None and stream.queue.qsize() >= stream.max_queued:
-            stream.closed = True
-            stream.queue.put_nowait(StreamOverflowError(
-                f"request {stream.request_id}: more than {stream.max_queued} outputs unread; aborted"))
-            if stream.on_overflow is not None:
-                stream.on_overflow(stream)
-            continue
-        stream.queue.put_nowait(item)
 
 
 def default_max_num_waiting_requests(config: EngineConfig, engine: LLMEngine) -> int:
@@ -473,7 +409,7 @@ class AsyncLLM:
     @staticmethod
     def _send(stream: RequestStream, item) -> None:
         try:
-            stream.loop.call_soon_threadsafe(_deliver, [(stream, item)])
+            stream.loop.call_soon_threadsafe(deliver, [(stream, item)])
         except RuntimeError:  # loop closed
             stream.closed = True
 
@@ -495,7 +431,7 @@ class AsyncLLM:
         """One call_soon_threadsafe per event loop and step."""
         for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(deliver, items)
             except RuntimeError:  # loop closed: nobody is listening any more
                 for stream, _ in items:
                     stream.closed = True

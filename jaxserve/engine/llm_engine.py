@@ -18,7 +18,7 @@ from jaxserve.structured_output import StructuredOutputManager
 
 if TYPE_CHECKING:
     from jaxserve.core.sched.scheduler import Scheduler, SchedulerStats
-    from jaxserve.engine.async_llm import RequestStream  # async_llm imports this module
+    from jaxserve.engine.request_stream import RequestStream
     from jaxserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("jaxserve")

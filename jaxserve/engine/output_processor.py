@@ -14,9 +14,9 @@ from jaxserve.outputs import (
 from jaxserve.request import FinishReason
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
-if TYPE_CHECKING:  # async_llm imports llm_engine, which imports this module
-    from jaxserve.engine.async_llm import RequestStream
+if TYPE_CHECKING:
     from jaxserve.engine.fault_injection import FaultInjector
+    from jaxserve.engine.request_stream import RequestStream
 
 logger = logging.getLogger("jaxserve")
 
