@@ -6,7 +6,8 @@ at a serving-like pace (one every `--gap-ms`); the follower records the
 delay from publish() to receive() returning, on the host's monotonic clock
 (both processes share it). Also times placing a host input onto a sharding
 that spans both processes: jax.device_put (which checks the value is equal
-on every process, a cross-process collective) against multihost.global_array.
+on every process, a cross-process collective) against global_array
+(jaxserve/distributed/arrays.py).
 
 usage: python benchmarks/bench_multihost_channel.py [--steps 200] [--gap-ms 20]
 """
@@ -50,17 +51,18 @@ def _pct(xs, q):
 
 
 def worker(pid: int, port: int, steps: int, gap_s: float) -> None:
-    from jaxserve.engine import multihost as mh
+    from jaxserve.distributed import cluster, step_channel
+    from jaxserve.distributed.arrays import global_array
 
-    mh.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
+    cluster.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
     import jax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     rng = np.random.default_rng(0)
     payloads = {"5KB": _scheduler_output(48, [300], rng), "100KB": _scheduler_output(48, [8000, 8000], rng)}
-    channel = mh.StepChannel("bench/steps")
-    client = mh._kv_client()
+    channel = step_channel.StepChannel("bench/steps")
+    client = step_channel._kv_client()
     for name, obj in payloads.items():
         size = len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         if pid == 0:
@@ -86,7 +88,7 @@ def worker(pid: int, port: int, steps: int, gap_s: float) -> None:
     for shape in ((256,), (8192,)):
         x = np.arange(np.prod(shape), dtype=np.int32).reshape(shape)
         for label, put in (("jax.device_put", lambda x=x: jax.device_put(x, sharding)),
-                           ("global_array", lambda x=x: mh.global_array(x, sharding))):
+                           ("global_array", lambda x=x: global_array(x, sharding))):
             put().block_until_ready()  # compile whatever it compiles
             times = []
             for _ in range(50):
@@ -98,7 +100,7 @@ def worker(pid: int, port: int, steps: int, gap_s: float) -> None:
     if pid == 0:
         channel.close()
     else:
-        assert channel.receive() is mh.SHUTDOWN
+        assert channel.receive() is step_channel.SHUTDOWN
 
 
 def main() -> None:

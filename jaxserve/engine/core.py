@@ -4,7 +4,7 @@ With data parallelism there is one scheduler (and KV block pool) per rank; a new
 request goes to one rank (core/sched/dp_balancer.py) and stays there, and one
 runner step serves every rank's scheduler output at once.
 
-Multi-host (engine/multihost.py): every process builds the same runner and warms
+Multi-host (jaxserve/distributed/): every process builds the same runner and warms
 up the same programs; process 0 (the leader) then schedules and publishes each
 step's scheduler outputs before running them, and the other processes (followers)
 only replay them: ``EngineCore(...)`` on a follower serves the leader's steps until
@@ -25,8 +25,9 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_utils import PrefixCacheStats
 from jaxserve.core.sched.dp_balancer import choose_rank
 from jaxserve.core.sched.scheduler import Scheduler, SchedulerStats, SpecDecodingStats
+from jaxserve.distributed.cluster import initialize_distributed, is_leader, is_multihost
+from jaxserve.distributed.step_channel import StepChannel, run_follower
 from jaxserve.engine.fault_injection import FaultInjector
-from jaxserve.engine.multihost import StepChannel, initialize_distributed, is_leader, is_multihost, run_follower
 from jaxserve.outputs import EngineCoreOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.model_runner import ModelRunner

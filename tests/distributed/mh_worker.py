@@ -30,9 +30,10 @@ def main() -> int:
     gc_msgs = int(opts.get("gc_msgs", 0))
     logging.basicConfig(level=logging.INFO, format=f"[p{pid}] %(levelname)s %(message)s")
 
-    from jaxserve.engine import multihost as mh
+    from jaxserve.distributed import cluster, step_channel
+    from jaxserve.distributed.arrays import global_array
 
-    mh.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
+    cluster.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
@@ -42,7 +43,7 @@ def main() -> int:
     mesh = Mesh(np.array(jax.devices()).reshape(1, 8), ("data", "model"))
     rng = np.random.default_rng(0)  # same weights on every process
     w_host = rng.standard_normal((16, 64), dtype=np.float32)
-    w = mh.global_array(w_host, NamedSharding(mesh, P(None, "model")))
+    w = global_array(w_host, NamedSharding(mesh, P(None, "model")))
     replicated = NamedSharding(mesh, P())
     matmul = jax.jit(lambda x, w: jnp.tanh(x @ w), out_shardings=replicated)
 
@@ -50,13 +51,13 @@ def main() -> int:
         i, x_host = msg
         if i == "noop":
             return
-        y = jax.device_get(matmul(mh.global_array(x_host, replicated), w))
+        y = jax.device_get(matmul(global_array(x_host, replicated), w))
         np.testing.assert_allclose(y, np.tanh(x_host @ w_host), rtol=1e-4, atol=1e-4)
         print(f"STEP {i}", flush=True)
 
-    channel = mh.StepChannel("test/steps", peer_timeout_s=peer_timeout_s, heartbeat_interval_s=hb_s)
+    channel = step_channel.StepChannel("test/steps", peer_timeout_s=peer_timeout_s, heartbeat_interval_s=hb_s)
     if pid != 0:
-        n = mh.run_follower(execute, channel)
+        n = step_channel.run_follower(execute, channel)
         print(f"FOLLOWER DONE {n}", flush=True)
         return 0
 
@@ -81,7 +82,7 @@ def main() -> int:
         # anything per step (only the rendezvous address and heartbeats).
         for k in range(gc_msgs):
             channel.publish(("noop", k))
-        held = len(mh._kv_client().key_value_dir_get_bytes(channel.ns))
+        held = len(step_channel._kv_client().key_value_dir_get_bytes(channel.ns))
         print(f"HELD {held}", flush=True)
     if scenario == "noclose":
         print("LEADER EXITING WITHOUT CLOSE", flush=True)

@@ -15,7 +15,8 @@ import pytest
 
 from procs import Proc, free_port
 
-from jaxserve.engine import multihost as mh
+from jaxserve.distributed import cluster
+from jaxserve.distributed.watchdog import PEER_LOST_EXIT_CODE
 
 WORKER = Path(__file__).with_name("mh_worker.py")
 
@@ -72,7 +73,7 @@ def test_frozen_follower_ends_leader_blocked_in_collective(pair):
     rc = leader.wait(60)
     elapsed = time.monotonic() - t0
     print(f"leader exited {rc} {elapsed:.1f}s after the follower froze")
-    assert rc == mh.PEER_LOST_EXIT_CODE, (rc, leader.err[-3000:])
+    assert rc == PEER_LOST_EXIT_CODE, (rc, leader.err[-3000:])
     assert elapsed < 20, elapsed
     assert "lost follower process 1" in leader.err, leader.err[-3000:]
 
@@ -98,7 +99,7 @@ def test_leader_killed_mid_run_ends_follower(pair):
 def test_leader_exit_without_close_fails_follower(pair):
     leader, follower = pair("noclose", steps=3)
     rc = follower.wait(60)
-    assert rc == mh.PEER_LOST_EXIT_CODE, (rc, follower.err[-3000:])
+    assert rc == PEER_LOST_EXIT_CODE, (rc, follower.err[-3000:])
     assert "exited without closing the step channel" in follower.err
     assert leader.wait(30) == 0, leader.err[-3000:]
 
@@ -109,11 +110,11 @@ def test_single_process_needs_no_distributed(monkeypatch):
     for var in ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri",
                 "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES"):
         monkeypatch.delenv(var, raising=False)
-    assert mh._detect_cluster() is None
-    monkeypatch.setattr(mh, "_initialized", False)
-    mh.initialize_distributed()
-    assert not mh._jax_distributed_initialized()
-    assert mh.is_leader() and not mh.is_multihost()
+    assert cluster._detect_cluster() is None
+    monkeypatch.setattr(cluster, "_initialized", False)
+    cluster.initialize_distributed()
+    assert not cluster._jax_distributed_initialized()
+    assert cluster.is_leader() and not cluster.is_multihost()
 
 
 def test_cluster_detection_needs_more_than_one_process(monkeypatch):
@@ -121,12 +122,12 @@ def test_cluster_detection_needs_more_than_one_process(monkeypatch):
              "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
     for k, v in slurm.items():
         monkeypatch.setenv(k, v)
-    assert mh._detect_cluster() is None  # srun with one task: single process
+    assert cluster._detect_cluster() is None  # srun with one task: single process
     monkeypatch.setenv("SLURM_NTASKS", "4")
-    assert mh._detect_cluster() == "slurm"
+    assert cluster._detect_cluster() == "slurm"
     monkeypatch.delenv("SLURM_JOB_ID")
     monkeypatch.setenv("OMPI_MCA_orte_hnp_uri", "1.0;tcp://10.0.0.1:1")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")
-    assert mh._detect_cluster() is None
+    assert cluster._detect_cluster() is None
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
-    assert mh._detect_cluster() == "ompi"
+    assert cluster._detect_cluster() == "ompi"

@@ -1,43 +1,20 @@
-"""Multi-controller (multi-host) serving: one leader decides, followers replay.
+"""The step channel: the leader's per-step messages to the followers, in order, and
+the followers' loop that replays them.
 
-JAX's multi-controller model runs the same jitted programs on every process,
-each process feeding the devices it owns. Process 0 (the leader) owns the
-scheduler, the API server and the detokenizer; every engine step it publishes
-the step's SchedulerOutput on a StepChannel, and every other process (a
-follower) receives it and replays it through its own ModelRunner, which keeps
-its own copy of the batch state by applying the same diffs. Followers never
-decide anything, so all processes enter the same programs in the same order.
+One leader decides, followers replay. Process 0 (the leader) owns the scheduler, the
+API server and the detokenizer; every engine step it publishes the step's
+SchedulerOutput on a StepChannel, and every other process (a follower) receives it
+and replays it through its own ModelRunner (run_follower), which keeps its own copy
+of the batch state by applying the same diffs. Followers never decide anything, so
+all processes enter the same programs in the same order.
 
-Failure model (DESIGN.md §5: a dead peer ends the others with an error, never a
-hang). Two independent layers, either of which is enough for the 60 s bound:
+A dead peer ends the others with an error, never a hang: the channel's part is the
+TCP connection (a follower sees a dead leader at once) and the heartbeats and
+watchdog of watchdog.py; cluster.py describes JAX's own layer.
 
-* JAX itself: the coordination service (hosted inside process 0) expects a
-  heartbeat from every process. Measured on jax 0.10.2 (CPU, gloo):
-  - a SIGKILLed follower is declared dead after about `heartbeat_timeout_s`
-    (9 s with a 10 s timeout); the service then propagates the error and the
-    client in every surviving process aborts it (LOG(FATAL) -> SIGABRT, exit
-    status 134, "Terminating process because the JAX distributed service
-    detected fatal errors"), even while its main thread is blocked inside a
-    cross-process collective (gloo itself just blocks);
-  - a SIGKILLed leader takes the service with it: followers see the socket
-    close and abort within ~0.2 s.
-  JAX's default heartbeat timeout is 100 s, too long, so initialize_distributed
-  passes a shorter one.
-* This module: the StepChannel sends steps over direct TCP connections
-  (a follower sees a dead leader at once as a closed connection), keeps a
-  per-process heartbeat in the JAX key-value store, and runs a watchdog thread that ends the process with os._exit
-  (PEER_LOST_EXIT_CODE) and a clear log line once a peer has been silent for
-  `peer_timeout_s`. It does not depend on how jax.distributed was initialised
-  (someone else may have called it with the 100 s default) and it gives a
-  message that names the lost process. The watchdog runs in its own thread
-  because the main thread may be blocked in a device computation waiting for
-  the dead peer (jaxlib releases the GIL while it waits).
-
-Private API: the step channel uses the JAX distributed runtime's key-value
-store and coordinator address through `jax._src.distributed.global_state`
-(there is no public handle on them in jax 0.10), and cluster detection reuses
-JAX's TPU detectors. All such uses are in `_kv_client`, `_coordinator_host`,
-`_detect_cluster` and `_jax_distributed_initialized` below.
+Private API: the channel uses the JAX distributed runtime's key-value store and
+coordinator address through `jax._src.distributed.global_state` (there is no public
+handle on them in jax 0.10): `_kv_client` and `_coordinator_host` below.
 """
 from __future__ import annotations
 
@@ -48,183 +25,20 @@ import pickle
 import secrets
 import socket
 import struct
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, Self
 
 import jax
-import numpy as np
 
-from jaxserve.distributed.arrays import global_array  # noqa: F401  (mh.global_array)
+from jaxserve.distributed.watchdog import PEER_LOST_EXIT_CODE, PeerLostError, PeerWatchdog
 
 logger = logging.getLogger("jaxserve")
-
-# Exit status of a process whose peer died (or whose leader went away without
-# closing the channel). Distinct from 1 (a Python error) and 134 (JAX's own
-# abort) so that logs and supervisors can tell which layer ended the process.
-PEER_LOST_EXIT_CODE = 75
-
-# Heartbeat timeout handed to the JAX coordination service. The step channel's
-# own watchdog (default 20 s) normally fires first with a clearer message; this
-# is the backstop, still well inside the 60 s guarantee.
-DEFAULT_JAX_HEARTBEAT_TIMEOUT_S = 30
-
-
-class PeerLostError(RuntimeError):
-    """A peer process died, became unreachable or went away without closing."""
 
 
 class LeaderAbortedError(PeerLostError):
     """The leader is exiting without close() (it failed); it is still alive,
     waiting in JAX's shutdown barrier, so followers should exit normally."""
-
-
-# --------------------------------------------------------------------------
-# Initialisation
-# --------------------------------------------------------------------------
-
-_initialized = False
-
-
-def _jax_distributed_initialized() -> bool:
-    # Private: jax.distributed has no public "is initialised" query in 0.10.
-    from jax._src import distributed
-
-    return distributed.global_state.client is not None
-
-
-def _int_env(name: str) -> int | None:
-    try:
-        return int(os.environ[name])
-    except (KeyError, ValueError):
-        return None
-
-
-def _detect_cluster() -> str | None:
-    """Name of a JAX cluster-detection method when the environment is a
-    multi-process cluster, else None.
-
-    Calling jax.distributed.initialize() with no arguments is only safe when
-    the environment really describes several processes: JAX would otherwise
-    start a coordination service for a one-process "cluster" (binding a port)
-    or, for Kubernetes, query the API server. So each known launcher is only
-    accepted when its own variables say there is more than one process:
-
-    * SLURM (srun): all the variables JAX reads are set and SLURM_NTASKS > 1;
-    * Open MPI (mpirun): OMPI_MCA_orte_hnp_uri is set and OMPI_COMM_WORLD_SIZE > 1;
-    * Cloud TPU on GKE: TPU_PROCESS_ADDRESSES / TPU_WORKER_HOSTNAMES lists
-      more than one host, or MEGASCALE_NUM_SLICES > 1;
-    * Cloud TPU VM (GCE): the metadata server lists more than one worker in
-      the slice (JAX's own detector, queried only on a TPU VM).
-
-    Kubernetes (non-TPU) and mpi4py detection are never automatic: a plain pod
-    is usually a single-process server; pass coordinator flags instead.
-    """
-    env = os.environ
-    slurm_vars = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS",
-                  "SLURM_PROCID", "SLURM_LOCALID")
-    if all(v in env for v in slurm_vars) and (_int_env("SLURM_NTASKS") or 1) > 1:
-        return "slurm"
-    if "OMPI_MCA_orte_hnp_uri" in env and (_int_env("OMPI_COMM_WORLD_SIZE") or 1) > 1:
-        return "ompi"
-    try:
-        # Private: computed once at jax import time from the machine's identity.
-        from jax._src.cloud_tpu_init import running_in_cloud_tpu_vm
-    except ImportError:  # pragma: no cover - layout change in a future jax
-        running_in_cloud_tpu_vm = False
-    if not running_in_cloud_tpu_vm:
-        return None
-    hosts = env.get("TPU_PROCESS_ADDRESSES") or env.get("TPU_WORKER_HOSTNAMES")
-    if hosts is not None:
-        many = len([h for h in hosts.split(",") if h]) > 1
-        return "gketpu" if many or (_int_env("MEGASCALE_NUM_SLICES") or 1) > 1 else None
-    if env.get("TPU_SKIP_MDS_QUERY") is not None:
-        return None
-    try:
-        from jax._src.clusters.cloud_tpu_cluster import GceTpuCluster
-
-        if GceTpuCluster.is_env_present() and GceTpuCluster.get_process_count() > 1:
-            return "gcetpu"
-    except Exception as e:  # noqa: BLE001 - metadata server unreachable: treat as one host
-        logger.warning("TPU VM cluster detection failed (%s); assuming a single process", e)
-    return None
-
-
-def initialize_distributed(
-    coordinator_address: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    *,
-    local_device_ids: list[int] | None = None,
-    cluster_detection_method: str | None = None,
-    heartbeat_timeout_s: int = DEFAULT_JAX_HEARTBEAT_TIMEOUT_S,
-    initialization_timeout_s: int = 300,
-    shutdown_timeout_s: int = 60,
-) -> None:
-    """Join the JAX multi-controller cluster if this run is multi-process.
-
-    Must run before anything touches a device (jax.devices(), any array);
-    JAX raises RuntimeError otherwise. Idempotent: the first call decides,
-    later calls (and calls after someone else initialised jax.distributed)
-    do nothing.
-
-    Rule: initialise when any of coordinator_address / num_processes /
-    process_id / cluster_detection_method is given (missing ones are filled
-    in by JAX's cluster detection), or when JAX_COORDINATOR_ADDRESS is set, or
-    when _detect_cluster() recognises a multi-process launcher. num_processes
-    == 1 always means a plain single-process run.
-    """
-    global _initialized
-    if _initialized or _jax_distributed_initialized():
-        _initialized = True
-        return
-    if num_processes == 1:
-        _initialized = True
-        return
-    explicit = (coordinator_address, num_processes, process_id, cluster_detection_method)
-    if all(a is None for a in explicit) and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        cluster_detection_method = _detect_cluster()
-        if cluster_detection_method is None:
-            _initialized = True  # single process: nothing to join
-            return
-        logger.info("multi-process cluster detected (%s)", cluster_detection_method)
-
-    # Multi-process CPU programs need a cross-process collectives backend; gloo
-    # is jax 0.10's default, but an environment that turned it off would only
-    # fail later, at the first cross-process computation. Irrelevant on TPU/GPU.
-    if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-
-    jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-        local_device_ids=local_device_ids,
-        cluster_detection_method=cluster_detection_method,
-        initialization_timeout=initialization_timeout_s,
-        heartbeat_timeout_seconds=heartbeat_timeout_s,
-        shutdown_timeout_seconds=shutdown_timeout_s,
-    )
-    _initialized = True
-    logger.info("jax.distributed: process %d of %d, %d local / %d global devices",
-                jax.process_index(), jax.process_count(),
-                jax.local_device_count(), jax.device_count())
-
-
-def is_multihost() -> bool:
-    """True when more than one process takes part in the computation."""
-    return jax.process_count() > 1
-
-
-def is_leader() -> bool:
-    """True on process 0 (also in a single-process run)."""
-    return jax.process_index() == 0
-
-
-# --------------------------------------------------------------------------
-# Step channel
-# --------------------------------------------------------------------------
 
 
 def _kv_client():
@@ -298,14 +112,11 @@ class StepChannel:
     token means only processes that can read the cluster's own key-value store
     can connect, and the leader stops accepting once all followers are in.
 
-    Heartbeats: every process writes <ns>/hb/<pid> = "<beat>:<acked seq>" every
-    `heartbeat_interval_s` from a background thread, so an idle leader (no
-    steps for hours) still looks alive. A watchdog thread ends the process
-    (os._exit(PEER_LOST_EXIT_CODE)) when a watched peer's value has not changed
-    for `peer_timeout_s`: the leader watches every follower, a follower the
-    leader. Staleness is measured on the observer's own monotonic clock, so
-    clocks need not agree. A follower also notices a dead leader at once by
-    the connection closing.
+    Heartbeats and the watchdog (watchdog.py's PeerWatchdog): every process
+    writes a heartbeat, with the last message it handled, to the key-value store;
+    a process whose watched peer (the leader watches every follower, a follower
+    the leader) stays silent for `peer_timeout_s` ends with PEER_LOST_EXIT_CODE.
+    A follower also notices a dead leader at once by the connection closing.
     """
 
     def __init__(
@@ -334,15 +145,14 @@ class StepChannel:
         self.is_leader = self.process_id == 0
         self.peer_timeout_s = peer_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
-        self._exit_on_peer_loss = exit_on_peer_loss
         self._seq = 0  # leader: last published; follower: last received
         self._acked = 0  # follower: last message fully handled
         self._closed = False
-        self._lost: str | None = None  # set by the watchdog: why a peer is lost
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
         self._peers = list(range(1, self.num_processes)) if self.is_leader else [0]
-        self._hb_values: dict[int, str] = {}
+        self._watchdog = PeerWatchdog(self._client, self.ns, self.process_id, self._peers,
+                                      is_leader=self.is_leader, peer_timeout_s=peer_timeout_s,
+                                      heartbeat_interval_s=heartbeat_interval_s,
+                                      exit_on_peer_loss=exit_on_peer_loss, acked=self._acked_seq)
         self._socks: dict[int, socket.socket] = {}  # leader: follower pid -> connection
         self._sock: socket.socket | None = None  # follower: connection to the leader
         self._rbuf = bytearray()
@@ -354,15 +164,7 @@ class StepChannel:
         # Everyone starts heartbeating together; before this a peer may
         # legitimately have been busy for minutes (loading, compiling).
         self._client.wait_at_barrier(f"{self.ns}/start", timeout_ms)
-        now = time.monotonic()
-        self._last_seen = {p: now for p in self._peers}
-        self._write_heartbeat(0)
-        self._threads = [
-            threading.Thread(target=self._heartbeat_loop, name="jaxserve-mh-heartbeat", daemon=True),
-            threading.Thread(target=self._watchdog_loop, name="jaxserve-mh-watchdog", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._watchdog.start()
         if self.is_leader:
             # Runs before jax's own exit hook (atexit is LIFO and jax
             # registered at import): see _atexit.
@@ -428,8 +230,8 @@ class StepChannel:
             raise RuntimeError("only process 0 publishes")
         if self._closed:
             raise RuntimeError("StepChannel is closed")
-        if self._lost is not None:
-            raise PeerLostError(self._lost)
+        if self._watchdog.lost is not None:
+            raise PeerLostError(self._watchdog.lost)
         return self._send(_TAG_STEP, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
     def _send(self, tag: bytes, payload: bytes) -> int:
@@ -452,7 +254,7 @@ class StepChannel:
         if self._closed:
             return
         if not self.is_leader:
-            self._stop_threads()
+            self._watchdog.stop()
             self._close_sockets()
             self._closed = True
             return
@@ -474,12 +276,12 @@ class StepChannel:
             seq = self._seq
         deadline = time.monotonic() + timeout_s
         pending = set(self._peers)
-        while pending and time.monotonic() < deadline and self._lost is None:
-            acks = self._read_heartbeats()
+        while pending and time.monotonic() < deadline and self._watchdog.lost is None:
+            acks = self._watchdog.read()
             pending = {p for p in pending if acks.get(p, (None, 0))[1] < seq}
             if pending:
                 time.sleep(0.02)
-        self._stop_threads()
+        self._watchdog.stop()
         self._close_sockets()
         if not pending:
             try:
@@ -533,8 +335,8 @@ class StepChannel:
         # End of stream: stop our heartbeat first, then acknowledge, so the
         # leader never waits on (or watches) a heartbeat that is about to stop.
         self._acked = seq
-        self._stop_threads()
-        self._write_heartbeat(-1)
+        self._watchdog.stop()
+        self._watchdog.write(-1)
         self._close_sockets()
         self._closed = True
         if tag == _TAG_SHUTDOWN:
@@ -548,8 +350,8 @@ class StepChannel:
         self._sock.settimeout(min(1.0, self.heartbeat_interval_s))
         buf = self._rbuf
         while len(buf) < n:
-            if self._lost is not None:
-                raise PeerLostError(self._lost)
+            if self._watchdog.lost is not None:
+                raise PeerLostError(self._watchdog.lost)
             try:
                 chunk = self._sock.recv(max(n - len(buf), 1 << 16))
             except TimeoutError:
@@ -563,72 +365,9 @@ class StepChannel:
         del buf[:n]
         return out
 
-    # ---- heartbeat and watchdog ----------------------------------------
-
-    def _write_heartbeat(self, beat: int) -> None:
-        acked = self._seq if self.is_leader else self._acked
-        self._client.key_value_set(f"{self.ns}/hb/{self.process_id}", f"{beat}:{acked}",
-                                   allow_overwrite=True)
-
-    def _read_heartbeats(self) -> dict[int, tuple[str, int]]:
-        out = {}
-        for key, value in self._client.key_value_dir_get(f"{self.ns}/hb"):
-            try:
-                pid = int(key.rsplit("/", 1)[1])
-                out[pid] = (value, int(value.split(":")[1]))
-            except (IndexError, ValueError):
-                continue
-        return out
-
-    def _heartbeat_loop(self) -> None:
-        beat = 0
-        while not self._stop.wait(self.heartbeat_interval_s):
-            beat += 1
-            try:
-                self._write_heartbeat(beat)
-                beats = self._read_heartbeats()
-            except Exception as e:  # noqa: BLE001 - any RPC failure means the same here
-                # The store lives in the leader: on a follower this means the
-                # leader is gone. The watchdog decides; just stop refreshing.
-                if not self._stop.is_set():
-                    logger.debug("heartbeat RPC failed: %s", e)
-                continue
-            now = time.monotonic()
-            with self._lock:
-                for p in self._peers:
-                    if p in beats and beats[p][0] != self._hb_values.get(p):
-                        self._hb_values[p] = beats[p][0]
-                        self._last_seen[p] = now
-
-    def _watchdog_loop(self) -> None:
-        # Separate from the heartbeat thread: if a heartbeat RPC hangs (a
-        # vanished host), staleness still grows and this thread still fires.
-        period = min(1.0, self.heartbeat_interval_s / 2)
-        while not self._stop.wait(period):
-            now = time.monotonic()
-            with self._lock:
-                stale = {p: now - t for p, t in self._last_seen.items() if now - t > self.peer_timeout_s}
-            if not stale:
-                continue
-            role = "follower" if self.is_leader else "leader"
-            who = ", ".join(f"process {p} (silent {s:.0f}s)" for p, s in sorted(stale.items()))
-            msg = (f"multi-host: lost {role} {who}: no heartbeat for more than "
-                   f"{self.peer_timeout_s:.0f}s; this process (process {self.process_id}) "
-                   f"cannot continue without it")
-            self._lost = msg
-            if self._exit_on_peer_loss:
-                logger.critical("%s; exiting with status %d", msg, PEER_LOST_EXIT_CODE)
-                # Also straight to stderr: logging may be unconfigured, and
-                # os._exit skips every flush.
-                os.write(2, f"{msg}; exiting with status {PEER_LOST_EXIT_CODE}\n".encode())
-                os._exit(PEER_LOST_EXIT_CODE)
-            return
-
-    def _stop_threads(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(timeout=5.0)
+    def _acked_seq(self) -> int:
+        # What this process's heartbeat reports as handled: the leader, all it sent.
+        return self._seq if self.is_leader else self._acked
 
     def _close_sockets(self) -> None:
         for conn in [*self._socks.values(), *([self._sock] if self._sock else [])]:
