@@ -1,4 +1,13 @@
-"""Engine configuration: frozen keyword-only dataclasses, validated on construction."""
+"""Engine configuration: frozen keyword-only dataclasses, validated on construction.
+
+Every setting's default is written once, here, in the field that holds it; EngineArgs
+(engine/arg_utils.py: the flags, their help, what LLM(...) and the CLIs take) reads
+its defaults from these fields, as vLLM's EngineArgs does. The two that depend on
+the model are None there and resolved by EngineArgs.create_engine_config:
+max_model_len (the model's own limit, at most DEFAULT_MAX_MODEL_LEN) and
+max_num_batched_tokens (DEFAULT_MAX_NUM_BATCHED_TOKENS, or max_model_len without
+chunked prefill); the fields below default to those same constants.
+"""
 from __future__ import annotations
 
 import json
@@ -16,12 +25,22 @@ GENERATION_CONFIG_SAMPLING_FIELDS = ("repetition_penalty", "temperature", "top_k
 # maps them to jnp dtypes.
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float", "half")
 
+# Without --max-model-len: the model's own limit, at most this (a 128k-context model
+# would otherwise size every per-request array and the KV budget for 128k tokens).
+DEFAULT_MAX_MODEL_LEN = 8192
+# The token budget per step with chunked prefill (without it: max_model_len).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# AsyncLLM's iteration timeout (`serve --engine-iteration-timeout`): a step running
+# longer kills the engine (a hung device or collective), so requests in flight fail
+# instead of waiting for ever. Far above any real step, compiles included.
+DEFAULT_ITERATION_TIMEOUT_S = 300.0
+
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = 64
-    max_model_len: int = 2048  # the one home of the context length (EngineArgs resolves it)
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN  # the one home of the context length (EngineArgs resolves it)
     enable_chunked_prefill: bool = True
     # 0: no cap. Otherwise a prefill takes at most this many tokens per step, so one
     # long prompt cannot starve the others (vLLM's long_prefill_token_threshold).

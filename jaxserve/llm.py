@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from jaxserve.engine.arg_utils import DEFAULT_MAX_MODEL_LEN, EngineArgs
+from jaxserve.config import DEFAULT_MAX_MODEL_LEN
+from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
 from jaxserve.runner.compilation_cache import enable_compilation_cache

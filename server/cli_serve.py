@@ -15,6 +15,7 @@ import argparse
 import logging
 import sys
 
+from jaxserve.config import DEFAULT_ITERATION_TIMEOUT_S
 from jaxserve.engine.arg_utils import EngineArgs
 from server.limits import add_limits_args, limits_from_args
 
@@ -67,7 +68,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     server.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="On SIGTERM, seconds requests in flight may take to finish before they are aborted "
                              "(default: %(default)s).")
-    server.add_argument("--engine-iteration-timeout", type=float, default=300.0,
+    server.add_argument("--engine-iteration-timeout", type=float, default=DEFAULT_ITERATION_TIMEOUT_S,
                         help="A step running longer kills the engine: requests fail, the server exits 1 "
                              "(default: %(default)s s; 0: never).")
     server.add_argument("--timeout-keep-alive", type=float, default=5.0,

@@ -8,7 +8,10 @@
     config = EngineArgs.from_cli_args(parser.parse_args()).create_engine_config()
 
 A field's CLI flag is its name with dashes; booleans get ``--x/--no-x``. Flags of the
-front ends (host, port, prompt, ...) live with the front end, not here.
+front ends (host, port, prompt, ...) live with the front end, not here. A field's
+default is the config dataclass field it becomes (jaxserve/config.py, where each
+default is written once); the ones that depend on the model are None here and
+resolved by ``create_engine_config``.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.config import (
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DTYPES,
     KV_CACHE_DTYPES,
     CacheConfig,
@@ -36,12 +41,6 @@ from jaxserve.config import (
 from jaxserve.core.sched.request_queue import SchedulingPolicy
 
 logger = logging.getLogger("jaxserve")
-
-# Without --max-model-len: the model's own limit, at most this (a 128k-context model
-# would otherwise size every per-request array and the KV budget for 128k tokens).
-DEFAULT_MAX_MODEL_LEN = 8192
-# --max-num-batched-tokens default with chunked prefill (without it: max_model_len).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def _attention_backends() -> tuple[str, ...]:
@@ -72,96 +71,103 @@ class EngineArgs:
     # ------------------------------------------------------------------ model
     model: str | None = field(default=None, metadata=_arg(
         "HF model folder, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)."))
-    tokenizer: str | None = field(default=None, metadata=_arg("Tokenizer folder or id (default: the model's)."))
+    tokenizer: str | None = field(default=ModelConfig.tokenizer, metadata=_arg(
+        "Tokenizer folder or id (default: the model's)."))
     served_model_name: str | None = field(default=None, metadata=_arg(
         "Model name in the API (default: the model argument, or SmolLM2-135M-Instruct)."))
-    dtype: str = field(default="auto", metadata=_arg(
+    dtype: str = field(default=ModelConfig.dtype, metadata=_arg(
         "Weights / activation dtype (auto: float32 on CPU, bfloat16 on accelerators).", choices=DTYPES))
-    weight_dtype: str = field(default="auto", metadata=_arg(
+    weight_dtype: str = field(default=ModelConfig.weight_dtype, metadata=_arg(
         "Dtype of the matmul weights (projections, embedding, lm_head), multiplied with float32 accumulation "
         "(auto: --dtype's, except under --dtype auto on a CPU with AMX / AVX512-BF16: bfloat16 weights, "
         "float32 activations and KV cache).", choices=DTYPES))
-    quantization: str | None = field(default=None, metadata=_arg(
+    quantization: str | None = field(default=ModelConfig.quantization, metadata=_arg(
         "Weight-only quantization at load: int8 (per-channel symmetric; projections only, the embedding, "
         "lm_head, norms and MoE router stay in --dtype).", choices=_quantization_methods, flags=("-q",)))
     max_model_len: int | None = field(default=None, metadata=_arg(
         f"Context length (default: the model's, at most {DEFAULT_MAX_MODEL_LEN})."))
-    seed: int = field(default=0, metadata=_arg("Seed for unseeded sampling."))
-    max_logprobs: int = field(default=20, metadata=_arg("Most logprobs a request may ask for."))
-    attention_backend: str = field(default="auto", metadata=_arg(
+    seed: int = field(default=ModelConfig.seed, metadata=_arg("Seed for unseeded sampling."))
+    max_logprobs: int = field(default=ModelConfig.max_logprobs, metadata=_arg("Most logprobs a request may ask for."))
+    attention_backend: str = field(default=ModelConfig.attention_backend, metadata=_arg(
         "Attention implementation (auto: pallas on GPU/TPU; on CPU native, the C++ kernel built on first use, or "
         "reference where no compiler is found).", choices=_attention_backends))
-    scan_layers: bool = field(default=True, metadata=_arg(
+    scan_layers: bool = field(default=ModelConfig.scan_layers, metadata=_arg(
         "Run the decoder layers under lax.scan (compile time flat in depth); --no-scan-layers unrolls them."))
-    generation_config: str = field(default="auto", metadata=_arg(
+    generation_config: str = field(default=ModelConfig.generation_config, metadata=_arg(
         "Where request sampling defaults come from: 'auto' (the model's generation_config.json), "
         "'vllm' (none: OpenAI's defaults) or a folder holding a generation_config.json."))
-    override_generation_config: dict[str, Any] | None = field(default=None, metadata=_arg(
+    override_generation_config: dict[str, Any] | None = field(
+        default=ModelConfig.override_generation_config, metadata=_arg(
         'JSON object applied on top, e.g. \'{"temperature": 0.5, "max_new_tokens": 128}\'.'))
     # ------------------------------------------------------------------ KV cache
-    block_size: int = field(default=16, metadata=_arg("KV cache block size in tokens."))
-    enable_prefix_caching: bool = field(default=True, metadata=_arg("Reuse cached KV blocks of shared prefixes."))
-    gpu_memory_utilization: float = field(default=0.9, metadata=_arg(
+    block_size: int = field(default=CacheConfig.block_size, metadata=_arg("KV cache block size in tokens."))
+    enable_prefix_caching: bool = field(default=CacheConfig.enable_prefix_caching, metadata=_arg(
+        "Reuse cached KV blocks of shared prefixes."))
+    gpu_memory_utilization: float = field(default=CacheConfig.gpu_memory_utilization, metadata=_arg(
         "Fraction of device memory for weights + KV cache."))
-    num_gpu_blocks_override: int | None = field(default=None, metadata=_arg("Use exactly this many KV blocks."))
-    kv_cache_dtype: str = field(default="auto", metadata=_arg(
+    num_gpu_blocks_override: int | None = field(default=CacheConfig.num_gpu_blocks_override, metadata=_arg(
+        "Use exactly this many KV blocks."))
+    kv_cache_dtype: str = field(default=CacheConfig.cache_dtype, metadata=_arg(
         "KV cache dtype: auto (the activations'), bfloat16 (half of float32; the CPU's reference attention "
         "keeps the pages as their bit patterns), or fp8 / fp8_e4m3 (float8 e4m3 pages, "
         "half of bf16; widened in the attention kernel; not on TPU hardware).", choices=KV_CACHE_DTYPES))
-    kv_cache_memory: int | None = field(default=None, metadata=_arg(
+    kv_cache_memory: int | None = field(default=CacheConfig.kv_cache_memory, metadata=_arg(
         "KV cache size in bytes (overrides the measured budget; the CPU default is 1 GiB)."))
     # ------------------------------------------------------------------ scheduler
-    max_num_seqs: int = field(default=64, metadata=_arg("Requests running at once."))
+    max_num_seqs: int = field(default=SchedulerConfig.max_num_seqs, metadata=_arg("Requests running at once."))
     max_num_batched_tokens: int | None = field(default=None, metadata=_arg(
         f"Token budget per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS}; max_model_len without chunked "
         "prefill)."))
-    enable_chunked_prefill: bool = field(default=True, metadata=_arg(
+    enable_chunked_prefill: bool = field(default=SchedulerConfig.enable_chunked_prefill, metadata=_arg(
         "Split long prompts over several steps."))
-    long_prefill_token_threshold: int = field(default=0, metadata=_arg(
+    long_prefill_token_threshold: int = field(default=SchedulerConfig.long_prefill_token_threshold, metadata=_arg(
         "Most tokens one prefill takes per step (0: no cap)."))
-    scheduling_policy: str = field(default="fcfs", metadata=_arg(
+    scheduling_policy: str = field(default=SchedulerConfig.policy.value, metadata=_arg(
         "Order of the waiting queue.", choices=tuple(p.value for p in SchedulingPolicy)))
-    async_scheduling: bool = field(default=False, metadata=_arg(
+    async_scheduling: bool = field(default=SchedulerConfig.async_scheduling, metadata=_arg(
         "Schedule the next step while the device runs this one, and process this step's outputs while the "
         "next runs (host work off the critical path; a request that stops may compute one token in vain). "
         "Steps with grammar-constrained requests run synchronously; not with speculative decoding."))
     # ------------------------------------------------------------------ parallelism
-    tensor_parallel_size: int = field(default=1, metadata=_arg(
+    tensor_parallel_size: int = field(default=ParallelConfig.tensor_parallel_size, metadata=_arg(
         "Devices to shard the model over (any multiple or divisor of the KV heads; the vocabulary is padded).",
         flags=("-tp",)))
-    data_parallel_size: int = field(default=1, metadata=_arg(
+    data_parallel_size: int = field(default=ParallelConfig.data_parallel_size, metadata=_arg(
         "Model replicas, each with its own KV cache and scheduler; requests go to the least loaded.",
         flags=("-dp",)))
-    enable_expert_parallel: bool = field(default=False, metadata=_arg(
+    enable_expert_parallel: bool = field(default=ParallelConfig.enable_expert_parallel, metadata=_arg(
         "MoE models: place whole experts on the tensor-parallel devices (num_experts / tp each) instead of "
         "splitting every expert's MLP over them."))
-    distributed_coordinator_address: str | None = field(default=None, metadata=_arg(
+    distributed_coordinator_address: str | None = field(
+        default=ParallelConfig.distributed_coordinator_address, metadata=_arg(
         "Multi-host: host:port of process 0 (jax.distributed); unset on one host and on TPU pods."))
-    num_processes: int | None = field(default=None, metadata=_arg("Multi-host: processes in all."))
-    process_id: int | None = field(default=None, metadata=_arg(
+    num_processes: int | None = field(default=ParallelConfig.num_processes, metadata=_arg(
+        "Multi-host: processes in all."))
+    process_id: int | None = field(default=ParallelConfig.process_id, metadata=_arg(
         "Multi-host: this process's index (0 runs the scheduler and the server; the others follow)."))
     # ------------------------------------------------------------------ structured outputs
-    structured_outputs_backend: str = field(default="auto", metadata=_arg(
+    structured_outputs_backend: str = field(default=StructuredOutputsConfig.backend, metadata=_arg(
         "Grammar engine for constrained decoding (auto: xgrammar if installed, else llguidance; "
         "llguidance also takes what xgrammar cannot).", choices=STRUCTURED_OUTPUTS_BACKENDS))
-    reasoning_parser: str | None = field(default=None, metadata=_arg(
+    reasoning_parser: str | None = field(default=StructuredOutputsConfig.reasoning_parser, metadata=_arg(
         "The model's reasoning format: output up to </think> is reasoning_content, and a constraint applies "
         "after it.", choices=_reasoning_parsers))
     # ------------------------------------------------------------------ speculative decoding
-    speculative_config: dict[str, Any] | None = field(default=None, metadata=_arg(
+    speculative_config: dict[str, Any] | None = field(default=EngineConfig.speculative_config, metadata=_arg(
         'Speculative decoding, vLLM\'s keys as a JSON object: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": DIR, '
         '"num_speculative_tokens": 4}\'.'))
     # ------------------------------------------------------------------ compilation
-    enforce_eager: bool = field(default=False, metadata=_arg("Skip the start-up warm-up (compile on demand)."))
-    background_warmup: bool = field(default=False, metadata=_arg(
+    enforce_eager: bool = field(default=EngineConfig.enforce_eager, metadata=_arg(
+        "Skip the start-up warm-up (compile on demand)."))
+    background_warmup: bool = field(default=EngineConfig.background_warmup, metadata=_arg(
         "Start serving once the programs of the smallest steps are compiled and compile the others on a "
         "thread, smallest first; until then steps hold fewer tokens (long prompts take more chunks). "
         "Default on for `serve`. Not with speculative decoding, multi-host or without chunked prefill."))
-    token_buckets: list[int] | None = field(default=None, metadata=_arg(
+    token_buckets: list[int] | None = field(default=EngineConfig.token_buckets, metadata=_arg(
         "Padded token counts the step compiles for (default: powers of two from 16 up to "
         "max_num_batched_tokens; from 1 on a CPU)."))
-    request_buckets: list[int] | None = field(default=None, metadata=_arg(
+    request_buckets: list[int] | None = field(default=EngineConfig.request_buckets, metadata=_arg(
         "Padded request counts the sampler compiles for (default: powers of two from 8 up to max_num_seqs, "
         "and 1 on a CPU)."))
 

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import DEFAULT_ITERATION_TIMEOUT_S, EngineConfig
 from jaxserve.core.kv_cache_utils import PrefixCachingMetrics
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core import combine_stats
@@ -88,7 +88,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, *, progress: bool = True, engine: LLMEngine | None = None,
                  stat_loggers: list[StatLogger] | None = None, start: bool = True,
                  max_num_waiting_requests: int | None = None, max_queued_outputs: int | None = 4096,
-                 iteration_timeout_s: float | None = 300.0) -> None:
+                 iteration_timeout_s: float | None = DEFAULT_ITERATION_TIMEOUT_S) -> None:
         """max_num_waiting_requests: sequences allowed to wait beyond those that can run
         (max_num_seqs per rank); more is EngineOverloadedError (None: the default,
         ``default_max_num_waiting_requests``; 0 or less: no bound). max_queued_outputs:

@@ -68,6 +68,23 @@ def test_create_engine_config(tmp_path):
         EngineArgs(model=str(path), dtype="int4").create_engine_config(progress=False)
 
 
+def test_engine_args_defaults_are_the_config_defaults(tmp_path):
+    # Each default is written once, in the config dataclasses: EngineArgs() builds exactly
+    # their defaults, except what it resolves from the model.
+    from hf_factory import make_tiny_hf_model
+
+    from jaxserve.config import EngineConfig, ModelConfig
+
+    path = make_tiny_hf_model(tmp_path / "m", "llama")
+    config = EngineArgs(model=str(path)).create_engine_config(progress=False)
+    mc, sc = config.model_config, config.scheduler_config
+    assert config == EngineConfig(model_config=ModelConfig(model=mc.model, served_model_name=mc.served_model_name),
+                                  scheduler_config=SchedulerConfig(max_model_len=sc.max_model_len))
+    # Where the model allows it, even that is the config's default.
+    assert SchedulerConfig().max_model_len == DEFAULT_MAX_MODEL_LEN
+    assert SchedulerConfig().max_num_batched_tokens == sc.max_num_batched_tokens
+
+
 def test_scheduler_config_is_the_one_home_of_max_model_len():
     from jaxserve.config import ModelConfig
 
