@@ -20,16 +20,17 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
-from common import commit_line, machine_line  # noqa: E402
+from common import commit_line, engine_kwargs, machine_line, parse_engine_args  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
-    args = ap.parse_args()
+    # The engine's flags; the batch is --requests, and the comparison sets the ranks.
+    args, engine_args = parse_engine_args(ap, fixed=("max_num_seqs", "data_parallel_size"),
+                                          max_model_len=256, max_num_batched_tokens=256)
 
     import jax
 
@@ -39,8 +40,7 @@ def main() -> None:
     print(machine_line(), commit_line(), sep="\n")
     print("cpu:", next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                        "?"), "| avx512_bf16" if "avx512_bf16" in open("/proc/cpuinfo").read() else "| no avx512_bf16")
-    engine_kw = dict(max_model_len=256, max_num_seqs=args.requests, max_num_batched_tokens=256,
-                     compilation_cache=False, progress=False)
+    engine_kw = dict(engine_kwargs(engine_args, max_num_seqs=args.requests), compilation_cache=False, progress=False)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(3, 30000, args.input_len).tolist()} for _ in range(args.requests)]
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -61,7 +61,7 @@ def main() -> None:
     indexed = list(enumerate(prompts))
     # One SPMD program, both ranks.
     t0 = time.perf_counter()
-    llm = LLM(args.model, data_parallel_size=2, **engine_kw)
+    llm = LLM(**{**engine_kw, "data_parallel_size": 2})
     eng = llm.llm_engine
     start = time.perf_counter() - t0
     dt, steps = drive([eng], [indexed])
@@ -77,7 +77,7 @@ def main() -> None:
         model_runner.make_mesh = lambda tp, dp, r=rank: jax.make_mesh(
             (1, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=[jax.devices()[r]])
         t0 = time.perf_counter()
-        engines.append(LLM(args.model, **engine_kw).llm_engine)
+        engines.append(LLM(**engine_kw).llm_engine)
         start += time.perf_counter() - t0
     model_runner.make_mesh = make_mesh
     dt, steps = drive(engines, [indexed[0::2], indexed[1::2]])

@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import commit_line, cpu_line, machine_line  # noqa: E402
+from common import commit_line, cpu_line, engine_kwargs, machine_line, parse_engine_args  # noqa: E402
 
 SUBJECTS = ["the ocean", "a volcano", "photosynthesis", "the moon", "bread", "a bicycle", "rain", "music",
             "the internet", "chess", "honey bees", "a library", "gravity", "coffee", "winter", "a computer"]
@@ -38,14 +38,15 @@ def chat_prompts() -> list[list[dict]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
     ap.add_argument("--variants", nargs="+", default=["float32:none", "bfloat16:none", "float32:int8"],
                     help="dtype:quantization[:weight_dtype[:kv_cache_dtype]] (default auto); the first is the reference")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
-    args = ap.parse_args()
+    # The engine's flags; each variant sets the dtypes and the quantization.
+    args, engine_args = parse_engine_args(ap, fixed=("dtype", "quantization", "weight_dtype", "kv_cache_dtype"),
+                                          max_model_len=512)
     from jaxserve import LLM, SamplingParams
 
     print(machine_line())
@@ -59,8 +60,8 @@ def main() -> None:
         weight_dtype, kv_dtype = (rest + ["auto", "auto"])[:2]
         quant = None if quant == "none" else quant
         t0 = time.perf_counter()
-        llm = LLM(args.model, dtype=dtype, quantization=quant, max_model_len=512, max_num_seqs=64,
-                  max_num_batched_tokens=2048, weight_dtype=weight_dtype, kv_cache_dtype=kv_dtype)
+        llm = LLM(**engine_kwargs(engine_args, dtype=dtype, quantization=quant, weight_dtype=weight_dtype,
+                                  kv_cache_dtype=kv_dtype))
         runner = llm.llm_engine.engine_core.model_runner
         variant += (f" (weights {np.dtype(runner.param_dtype).name}, activations {np.dtype(runner.dtype).name}, "
                     f"KV {np.dtype(runner.kv_dtype).name})")

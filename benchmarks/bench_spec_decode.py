@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import commit_line, machine_line  # noqa: E402
+from common import commit_line, engine_kwargs, machine_line, parse_engine_args  # noqa: E402
 
 CODE = [
     "def total_price(items, tax):\n    total = 0\n    for item in items:\n        total += item.price * item.count\n"
@@ -66,9 +66,6 @@ def run(llm, prompts, sp, batch: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
-                                                    '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--batch1-prompts", type=int, default=3, help="prompts run one at a time at batch 1")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -77,17 +74,18 @@ def main() -> None:
                          "noise is ~10%%)")
     ap.add_argument("--workloads", nargs="+", default=["repetitive", "non-repetitive"])
     ap.add_argument("--output-json", default=None)
-    args = ap.parse_args()
+    # The engine's flags, for both engines; --speculative-config: the second one's.
+    args, engine_args = parse_engine_args(ap, max_model_len=1024, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5})
 
     from jaxserve import LLM, SamplingParams
 
-    spec = json.loads(args.speculative_config)
-    common = dict(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=2048)
+    spec = engine_args.speculative_config
     print("loading the engine without speculation ...", file=sys.stderr)
-    base = LLM(args.model, **common)
+    base = LLM(**engine_kwargs(engine_args, speculative_config=None))
     print("loading the engine with", spec, "...", file=sys.stderr)
     t0 = time.perf_counter()
-    fast = LLM(args.model, speculative_config=spec, **common)
+    fast = LLM(**engine_kwargs(engine_args))
     print(f"start-up with speculation: {time.perf_counter() - t0:.1f} s, {fast.llm_engine.num_compiled_programs} "
           f"programs (without: {base.llm_engine.num_compiled_programs})", file=sys.stderr)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)

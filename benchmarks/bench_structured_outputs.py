@@ -22,7 +22,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import commit_line, machine_line  # noqa: E402
+from common import commit_line, engine_kwargs, machine_line, parse_engine_args  # noqa: E402
+
+from jaxserve.config import STRUCTURED_OUTPUTS_BACKENDS  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 40},
@@ -128,15 +130,16 @@ def mask_device_cost(vocab, rows=(8, 64), reps=40):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--backend", default="auto")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=96)
-    args = ap.parse_args()
+    # The engine's flags; --backend is this benchmark's short name for --structured-outputs-backend.
+    ap.add_argument("--backend", dest="structured_outputs_backend", choices=STRUCTURED_OUTPUTS_BACKENDS,
+                    default=argparse.SUPPRESS, help="the engine's --structured-outputs-backend")
+    args, engine_args = parse_engine_args(ap, max_model_len=512)
 
     from jaxserve import LLM
 
-    llm = LLM(args.model, max_model_len=512, max_num_seqs=64, structured_outputs_backend=args.backend)
+    llm = LLM(**engine_kwargs(engine_args))
     print(machine_line())
     print(commit_line())
     backend, fill, accept = host_costs(llm)

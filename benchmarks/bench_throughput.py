@@ -23,12 +23,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import commit_line, machine_line  # noqa: E402
+from common import commit_line, engine_kwargs, machine_line, parse_engine_args  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--input-len-range", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
@@ -45,35 +44,22 @@ def main() -> None:
                     help="the peer's model (default: the same HF folder; llamacpp: the default model's GGUF file)")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantization", default=None, help="int8: weight-only int8 projections")
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--no-compilation-cache", action="store_true", help="measure a cold warm-up")
-    ap.add_argument("--no-scan-layers", action="store_true", help="unroll the decoder layers (scan_layers=False)")
-    ap.add_argument("--kv-cache-dtype", default="auto")
-    ap.add_argument("--attention-backend", default="auto", help="auto, reference, native or pallas")
-    ap.add_argument("--async-scheduling", action="store_true", help="the engine's --async-scheduling")
-    args = ap.parse_args()
+    # The engine's flags (EngineArgs); --seed also draws the prompts, --max-model-len bounds them.
+    args, engine_args = parse_engine_args(ap, max_model_len=1024)
 
     from jaxserve import LLM, SamplingParams
 
     from models.default_model import default_model_dir
 
-    model_dir = Path(args.model) if args.model else default_model_dir()
+    model_dir = Path(engine_args.model) if engine_args.model else default_model_dir()
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     token_prompts = make_prompts(args, vocab)
     # First, so that the peers' start-up and runs share nothing with ours.
     peers = [run_peer(args, name, model_dir, token_prompts) for name in args.peer]
     t0 = time.perf_counter()
-    llm = LLM(str(model_dir), max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, dtype=args.dtype,
-              quantization=args.quantization, compilation_cache=not args.no_compilation_cache,
-              scan_layers=not args.no_scan_layers, kv_cache_dtype=args.kv_cache_dtype,
-              async_scheduling=args.async_scheduling, attention_backend=args.attention_backend)
+    llm = LLM(**engine_kwargs(engine_args, model=str(model_dir)), compilation_cache=not args.no_compilation_cache)
     startup = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": p} for p in token_prompts]
     sp = SamplingParams(temperature=args.temperature, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
@@ -90,7 +76,7 @@ def main() -> None:
           f"{np.dtype(runner.param_dtype).name}), peers' dtype {args.peer_dtype}, "
           f"quantization {args.quantization}, kv cache {args.kv_cache_dtype}, "
           f"attention {runner.attention_backend}, "
-          f"scan_layers {not args.no_scan_layers}, async scheduling {args.async_scheduling}, prompts {len(token_prompts)} of "
+          f"scan_layers {args.scan_layers}, async scheduling {args.async_scheduling}, prompts {len(token_prompts)} of "
           f"{min(map(len, token_prompts))}-{max(map(len, token_prompts))} tokens, output {args.output_len}")
     print(f"startup (load + warm-up): {startup:.1f} s; warm-up {llm.llm_engine.warmup_seconds:.1f} s, "
           f"{llm.llm_engine.num_compiled_programs} programs")

@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import commit_line, machine_line  # noqa: E402
+from common import commit_line, engine_kwargs, machine_line, parse_engine_args  # noqa: E402
 
 PHASES = ("schedule", "update_states", "prepare_inputs", "put", "model_step", "sampler", "device_get",
           "bookkeeping", "update_output", "process_outputs")
@@ -71,18 +71,13 @@ class PhaseTimer:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 64, 256])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--kv-cache-gib", type=int, default=4)
-    ap.add_argument("--kv-cache-dtype", default="auto")
-    ap.add_argument("--attention-backend", default="auto", help="auto, reference, native or pallas")
-    ap.add_argument("--async-scheduling", action="store_true", help="the engine's --async-scheduling")
-    ap.add_argument("--no-scan-layers", action="store_true", help="unroll the decoder layers (scan_layers=False)")
-    args = ap.parse_args()
+    ap.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache size (the engine's --kv-cache-memory)")
+    # The engine's flags; the context, batch and KV cache sizes follow from the ones above.
+    args, engine_args = parse_engine_args(ap, fixed=("max_model_len", "max_num_seqs", "kv_cache_memory"),
+                                          max_num_batched_tokens=2048)
 
     import jax
     import jax.numpy as jnp
@@ -95,11 +90,10 @@ def main() -> None:
     # Requests prefilled first decode while the rest prefill: room for that, so that all B
     # are still running when the timed steps start.
     max_tokens = 2 * args.steps + 8 + -(-max_b * args.prompt_len // args.max_num_batched_tokens)
-    llm = LLM(args.model, max_model_len=args.prompt_len + max_tokens + 16, max_num_seqs=max_b,
-              max_num_batched_tokens=max(args.max_num_batched_tokens, max_b), dtype=args.dtype,
-              kv_cache_memory=args.kv_cache_gib << 30,  # every batch size's requests fit at once
-              async_scheduling=args.async_scheduling, scan_layers=not args.no_scan_layers,
-              kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend)
+    llm = LLM(**engine_kwargs(
+        engine_args, max_model_len=args.prompt_len + max_tokens + 16, max_num_seqs=max_b,
+        max_num_batched_tokens=max(args.max_num_batched_tokens, max_b),
+        kv_cache_memory=args.kv_cache_gib << 30))  # every batch size's requests fit at once
     engine = llm.llm_engine
     core = engine.engine_core
     sched, runner = core.schedulers[0], core.model_runner
@@ -164,7 +158,7 @@ def main() -> None:
     print(f"model {runner.arch.architecture}, dtype {args.dtype} (activations {jnp.dtype(runner.dtype).name}, "
           f"matmul weights {jnp.dtype(runner.param_dtype).name}), prompt {args.prompt_len} tokens, "
           f"{args.steps} decode steps per batch size, async scheduling {'on' if args.async_scheduling else 'off'}, "
-          f"scan_layers {not args.no_scan_layers}, attention {runner.attention_backend}, "
+          f"scan_layers {args.scan_layers}, attention {runner.attention_backend}, "
           f"KV cache {jnp.dtype(runner.kv_dtype).name}")
     rows = []
     for b in args.batch:
