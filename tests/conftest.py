@@ -3,9 +3,25 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 # Tests run on the CPU; eight host devices (issue 10: tp up to 8, dp x tp) let sharding tests build real meshes.
+HOST_DEVICES = 8
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def with_host_device_count(xla_flags: str, n: int = HOST_DEVICES) -> str:
+    """``xla_flags`` with ``--xla_force_host_platform_device_count=n`` appended, unless it
+    already sets a device count (a developer's own XLA_FLAGS are kept, and so is their count)."""
+    if any(flag.split("=", 1)[0] == _DEVICE_COUNT_FLAG for flag in xla_flags.split()):
+        return xla_flags
+    return f"{xla_flags} {_DEVICE_COUNT_FLAG}={n}".strip()
+
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Appended, not setdefault: with the developer's own XLA_FLAGS (say a fast-math switch)
+# and no device count, every tp / dp test would find one device.
+os.environ["XLA_FLAGS"] = with_host_device_count(os.environ.get("XLA_FLAGS", ""))
 # One persistent compilation cache for the whole run, empty at the start (hermetic):
 # the many engines built on the same tiny configs compile each program once. Engines
 # that enable jaxserve's own cache (the default model's tests) point it here too, and
@@ -22,3 +38,21 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 from jaxserve.runner.compilation_cache import enable_compilation_cache  # noqa: E402
 
 enable_compilation_cache(os.environ["JAXSERVE_JAX_CACHE_DIR"])
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "devices(n): needs n JAX devices; fails (never skips) with fewer")
+
+
+def pytest_runtest_setup(item):
+    """A test marked ``devices(n)`` fails when there are fewer than n devices: a skip would
+    hide that the run tested no sharding at all (XLA_FLAGS above sets the count)."""
+    needed = max((m.args[0] for m in item.iter_markers("devices")), default=0)
+    if needed:
+        import jax
+
+        have = len(jax.devices())
+        if have < needed:
+            pytest.fail(f"needs {needed} JAX devices, found {have} (XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}, "
+                        f"JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}); tests/conftest.py asks for "
+                        f"{HOST_DEVICES} host devices unless XLA_FLAGS sets {_DEVICE_COUNT_FLAG}", pytrace=False)

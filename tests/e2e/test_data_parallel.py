@@ -1,13 +1,12 @@
 """Data parallelism is one SPMD program over a (data, model) mesh: each rank has its own
 scheduler and KV pages, and the tokens are those of a single device."""
-import jax
 import numpy as np
 import pytest
 from compile_counter import count_compiles
 
 from jaxserve import LLM, SamplingParams
 
-pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 host devices (tests/conftest.py)")
+pytestmark = pytest.mark.devices(8)  # fails, not skips, with fewer (tests/conftest.py)
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=2 << 20,
               compilation_cache=False, progress=False)
 

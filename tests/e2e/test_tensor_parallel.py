@@ -1,7 +1,6 @@
 """Tensor parallelism is a change of mesh: the single-device greedy tokens, with a
 vocabulary tp does not divide (padded; padded ids never sampled nor in logprobs) and
 fewer KV heads than devices (replicated)."""
-import jax
 import numpy as np
 import pytest
 
@@ -10,7 +9,7 @@ from jaxserve import LLM, SamplingParams
 VOCAB = 1013
 
 
-@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 host devices (XLA_FLAGS in tests/conftest.py)")
+@pytest.mark.devices(4)  # fails, not skips, with fewer (tests/conftest.py)
 @pytest.mark.parametrize("backend,tp", [("reference", 4), ("pallas", 2)])  # pallas: interpreted, under shard_map
 def test_tp_matches_tp1(tiny_models, backend, tp):
     path = tiny_models("qwen2", kv_heads=2, vocab=VOCAB)  # 4 heads, 2 KV heads
@@ -48,7 +47,7 @@ def test_tp_matches_tp1(tiny_models, backend, tp):
             max_model_len=128)
 
 
-@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 host devices (XLA_FLAGS in tests/conftest.py)")
+@pytest.mark.devices(4)  # fails, not skips, with fewer (tests/conftest.py)
 def test_moe_tensor_and_expert_parallel_match_one_device(tiny_models):
     """Qwen3-MoE (8 experts, top 2): experts split by their mlp dim (tp 2) or whole per
     device (expert parallel 2 and 4) give the single-device tokens and logprobs."""
