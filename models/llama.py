@@ -24,11 +24,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from models.attention_metadata import AttentionMetadata
 from models.base import MODEL, CausalLM, Weight, make_param
 from models.config import ModelArchConfig, hf_common_fields
 from models.quantization import linear, matmul, matmul_weight_names, param_map, scan_safe
 from models.rope import apply_rope, rope_inv_freq
+from pallas_kernels.attention_metadata import AttentionMetadata
 
 # Axis sizes, as ModelArchConfig fields: L layers, D model dim, F mlp dim, V vocabulary
 # (padded to a multiple of tp), NH / KH query / kv heads times the head dim.

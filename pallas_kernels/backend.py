@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from models.attention_metadata import AttentionMetadata
 from pallas_kernels import cpu, reference
+from pallas_kernels.attention_metadata import AttentionMetadata
 
 BACKENDS = ("auto", "reference", "pallas", "native")
 # The KV cache [L, P, S, 2K, H] is split by pages (axis 1) over the mesh's 'data' axis

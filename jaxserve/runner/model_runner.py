@@ -48,9 +48,9 @@ from jaxserve.runner.program_key import DraftKey, ModelStepKey, ProgramKey, Prom
 from jaxserve.sample.metadata import SamplingMetadata
 from jaxserve.sample.rejection_sampler import rejection_sample
 from jaxserve.sample.sampler import compute_logprobs, sample
-from models.attention_metadata import AttentionMetadata
 from models.config import attention_settings
 from models.loader import load_model
+from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.backend import build_attention, resolve_backend
 
 logger = logging.getLogger("jaxserve")

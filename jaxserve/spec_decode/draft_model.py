@@ -30,9 +30,9 @@ from jaxserve.runner.bucketing import BucketTable
 from jaxserve.runner.kv_cache import allocate_kv_cache, kv_cache_sharding
 from jaxserve.runner.program_key import DraftKey
 from jaxserve.sample.sampler import argmax_ids
-from models.attention_metadata import AttentionMetadata
 from models.config import attention_settings
 from models.loader import load_model
+from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.backend import build_attention
 
 

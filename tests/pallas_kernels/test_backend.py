@@ -116,7 +116,7 @@ def test_built_attention_writes_then_attends():
     import jax.numpy as jnp
     import numpy as np
 
-    from models.attention_metadata import AttentionMetadata
+    from pallas_kernels.attention_metadata import AttentionMetadata
 
     rng = np.random.default_rng(0)
     L, P, S, K, H, N = 2, 8, 16, 2, 64, 4
@@ -169,7 +169,7 @@ def test_built_attention_fp8_cache_and_per_layer_windows(variant):
     import jax.numpy as jnp
     import numpy as np
 
-    from models.attention_metadata import AttentionMetadata
+    from pallas_kernels.attention_metadata import AttentionMetadata
 
     rng = np.random.default_rng(1)
     L, P, S, K, H, N, T = 2, 8, 16, 2, 64, 4, 8

@@ -6,7 +6,7 @@ import pytest
 
 from jaxserve.runner.packed_inputs import PackedLayout
 from jaxserve.sample.metadata import SamplingMetadata
-from models.attention_metadata import AttentionMetadata
+from pallas_kernels.attention_metadata import AttentionMetadata
 
 
 def _tree(rng):

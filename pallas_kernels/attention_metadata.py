@@ -1,4 +1,7 @@
-"""AttentionMetadata: per-step device inputs of the attention layers (one pytree)."""
+"""AttentionMetadata: per-step device inputs of the attention layers (one pytree).
+
+It lives with the kernels, below the models: the attention backend (backend.py) takes
+it, and the models and the runner pass it through."""
 from __future__ import annotations
 
 from dataclasses import dataclass
