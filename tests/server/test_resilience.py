@@ -127,6 +127,28 @@ def test_a_grammar_that_fails_to_compile_is_400(tiny_async_llm, srv, monkeypatch
     assert wait_until(lambda: blocks_all_free(tiny_async_llm.engine))
 
 
+def test_draining_answers_503(tiny_async_llm, srv):
+    """Once a graceful shutdown began (server/lifecycle.py sets ``app.state.draining`` on
+    SIGTERM), a /v1 request that reaches the server, on a connection still open, gets a 503
+    with Retry-After and Connection: close; /health still answers; clear the flag and /v1
+    serves again."""
+    body = {"model": "tiny", "prompt": "w5", "max_tokens": 2}
+    with httpx.Client(base_url=srv.url, timeout=60) as http:
+        assert http.get("/health").status_code == 200  # the connection is open before the drain
+        srv.app.state.draining = True
+        try:
+            late = http.post("/v1/completions", json=body)
+            health = http.get("/health")
+        finally:
+            srv.app.state.draining = False
+        assert late.status_code == 503, late.text
+        assert late.headers["retry-after"] == "1" and late.headers["connection"] == "close"
+        assert late.json()["error"]["type"] == "ServiceUnavailableError"
+        assert "shutting down" in late.json()["error"]["message"]
+        assert health.status_code == 200
+        assert http.post("/v1/completions", json=body).status_code == 200
+
+
 def test_a_stalled_reader_is_aborted(tiny_async_llm, monkeypatch):
     """A caller that stops reading does not hold its request: past max_queued_outputs
     unread outputs it is aborted (its blocks freed) and reading again raises."""
@@ -179,6 +201,8 @@ def _serve(tiny_model_dir, tmp_path, *extra, env=None):
 
 @pytest.mark.slow
 def test_sigterm_finishes_in_flight_then_exits_0(tiny_model_dir, tmp_path):
+    """SIGTERM while a stream runs: new connections are refused (any request that gets in
+    first is a 503), the stream runs to its end, and the process exits 0."""
     proc, url, log = _serve(tiny_model_dir, tmp_path, "--shutdown-timeout", "20")
     try:
         body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 150, "ignore_eos": True, "stream": True}
@@ -189,13 +213,25 @@ def test_sigterm_finishes_in_flight_then_exits_0(tiny_model_dir, tmp_path):
                     chunks.append(line)
                 if len(chunks) == 3:
                     proc.send_signal(signal.SIGTERM)
-                    # A request on an open connection while draining: 503; new connections: refused.
-                    with httpx.Client(base_url=url, timeout=10) as other:
+                    # The handler logs, then sets the draining flag, on the loop's own thread:
+                    # once the line is there, no new request can be served.
+                    assert wait_until(lambda: "Shutting down: no new requests" in log.read_text(), timeout=30), \
+                        log.read_text()[-3000:]
+                    # New connections: refused once uvicorn has closed its socket (a moment
+                    # after the signal); a request that still gets in before that: 503.
+                    answers = []
+
+                    def refused() -> bool:
                         try:
-                            late = other.post("/v1/completions", json={"model": "tiny", "prompt": "w5"})
-                            assert late.status_code == 503, late.text
+                            late = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "w5"},
+                                              timeout=10)
                         except httpx.ConnectError:
-                            pass
+                            return True
+                        answers.append((late.status_code, late.text))
+                        return False
+
+                    assert wait_until(refused, timeout=30, interval=0.05), answers[-3:]
+                    assert all(code == 503 for code, _ in answers), answers
         assert chunks[-1] == "data: [DONE]" and len(chunks) > 100, chunks[-3:]  # the stream ran to its end
         assert proc.wait(60) == 0, log.read_text()[-3000:]
     finally:
