@@ -7,7 +7,6 @@ question correctly.
 
 import importlib.util
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -86,10 +85,18 @@ def test_config_and_files(converted):
     assert len(keys) == 2 + 30 * 9 and "lm_head.weight" not in keys  # tied
 
 
-def test_cache_is_reused(converted):
-    start = time.perf_counter()
+def test_cache_is_reused(converted, monkeypatch):
+    """A second call finds the converted folder and converts nothing: no conversion starts
+    and no file of the folder is written again."""
+    def written(folder: Path) -> dict:
+        return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in folder.iterdir()}
+
+    before = written(converted)
+    conversions = []
+    monkeypatch.setattr(default_model, "convert_gguf_to_hf", lambda *a, **kw: conversions.append(a))
     again = default_model.default_model_dir(converted.parent.parent, progress=False)
-    assert again == converted and time.perf_counter() - start < 1.0
+    assert again == converted and conversions == []
+    assert written(converted) == before
 
 
 def test_missing_package_message(monkeypatch):
