@@ -6,7 +6,8 @@ Layer weights are stacked on a leading layer axis and the layers run under
 ``lax.scan`` (``scan_layers=False`` unrolls them), so compile time does not grow
 with depth. Projections are stored [in, out] so a matmul is ``x @ w`` (``matmul``:
 bf16 weights under float32 activations multiply x rounded to bf16, and on CPU the
-stacked bf16 layer weights are stored as uint16 bit patterns for the scan, ``scan_safe``).
+stacked bf16 layer weights are stored as uint16 bit patterns for the scan, ``scan_safe``,
+pallas_kernels/storage.py).
 The KV cache is [L, P, S, 2K, H] (DESIGN §4) and is threaded through the scan; with
 KV cache groups (Gemma's local and global layers, jaxserve/core/kv_cache_groups.py) its
 first axis is a group's slots, and the attention maps each layer to its slot.
@@ -29,6 +30,7 @@ from models.config import ModelArchConfig, hf_common_fields
 from models.quantization import linear, matmul, matmul_weight_names, param_map, scan_safe
 from models.rope import apply_rope, rope_inv_freq
 from pallas_kernels.attention_metadata import AttentionMetadata
+from pallas_kernels.storage import stacked_weights_as_bits
 
 # Axis sizes, as ModelArchConfig fields: L layers, D model dim, F mlp dim, V vocabulary
 # (padded to a multiple of tp), NH / KH query / kv heads times the head dim.
@@ -149,8 +151,7 @@ class LlamaForCausalLM(CausalLM):
                                        dtypes["embed_tokens"])  # [PV, D]
         # bf16 weights under float32 activations, in the layer scan on CPU: kept as their
         # bit patterns (models.quantization.scan_safe) and bitcast back inside the loop.
-        bf16_bits = (scan_layers and jax.default_backend() == "cpu" and param_dtype is not None
-                     and jnp.dtype(param_dtype) == jnp.bfloat16 and jnp.dtype(dtype) == jnp.float32)
+        bf16_bits = stacked_weights_as_bits(jax.default_backend(), scan_layers, param_dtype, dtype)
         self.layers = DecoderLayers(config, weights, {n: w for n, w in wm.items() if w.per_layer}, dtypes,
                                     bf16_bits=bf16_bits)
         if not scan_layers:

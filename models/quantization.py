@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from models.base import Weight, dim_size
 from models.config import ModelArchConfig
 from models.sharding import checkpoint_arch, source_indices
+from pallas_kernels.storage import from_bf16_bits, to_bf16_bits
 
 QUANTIZATION_METHODS = ("int8", "fp8")
 WEIGHT_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
@@ -149,19 +150,11 @@ def matmul(x, w, *, transposed: bool = False):
 
 
 def scan_safe(tree, restore: bool = False):
-    """bfloat16 arrays as uint16 bit patterns (``restore``: uint16 back to bfloat16; no
-    model has uint16 params of its own), for weights sliced by lax.scan on CPU: XLA:CPU
-    has no bf16 dynamic-slice (its float normalization widens it), so it widens the
-    whole stacked array to float32 once per call, outside the loop, and narrows each
-    slice back (SmolLM2's [30, 576, 1536] weight: 36 ms for the 30 products). Sliced as
-    bit patterns and bitcast back inside the loop: 9 ms. The bit patterns are stored so
-    (DecoderLayers): a bitcast before the loop is a copy of the whole array per call.
-    Other arrays pass as they are."""
-    def cast(a):
-        if restore:
-            return jax.lax.bitcast_convert_type(a, jnp.bfloat16) if a.dtype == jnp.uint16 else a
-        return jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a
-    return jax.tree.map(cast, tree)
+    """A tree's bfloat16 arrays as their uint16 bit patterns (``restore``: back to
+    bfloat16), for weights sliced by lax.scan on CPU (the convention and its reason:
+    pallas_kernels/storage.py). The bit patterns are stored so (DecoderLayers): a bitcast
+    before the loop would copy the whole array per call. Other arrays pass as they are."""
+    return jax.tree.map(from_bf16_bits if restore else to_bf16_bits, tree)
 
 
 def linear(x, lw: dict, name: str):

@@ -1,4 +1,5 @@
-"""Attention backend dispatch: the whole per-layer attention for (backend, platform, mesh).
+"""Attention backend dispatch: "auto" resolved once into an AttentionSpec
+(``resolve_attention_spec``), and the whole per-layer attention for (spec, mesh).
 
 ``build_attention`` is what a model step calls per layer: write the new tokens' K/V,
 then ragged paged attention, under ``shard_map`` when the mesh splits heads::
@@ -28,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import cpu, reference
 from pallas_kernels.attention_metadata import AttentionMetadata
+from pallas_kernels.storage import AttentionSpec, kv_storage_dtype
 
 BACKENDS = ("auto", "reference", "pallas", "native")
 # The KV cache [L, P, S, 2K, H] is split by pages (axis 1) over the mesh's 'data' axis
@@ -69,6 +71,22 @@ def resolve_backend(backend: str = "auto", platform: str | None = None) -> tuple
     return backend, plat
 
 
+def resolve_attention_spec(backend: str = "auto", platform: str | None = None, kv_dtype=jnp.float32, *,
+                           interpret=None) -> AttentionSpec:
+    """The engine's AttentionSpec: ``backend`` resolved (resolve_backend), the KV pages of
+    ``kv_dtype`` and what they are stored as (storage.kv_storage_dtype), scales 1.0
+    (AttentionSpec.with_kv_scales adds a checkpoint's). ``interpret`` (default: on CPU)
+    runs the Pallas kernels interpreted. ValueError for a combination no kernel runs."""
+    backend, plat = resolve_backend(backend, platform)
+    kv_dtype = jnp.dtype(kv_dtype)
+    if kv_dtype.itemsize == 1 and plat == "tpu" and backend == "pallas":
+        raise ValueError("kv_cache_dtype=fp8 is not supported by the TPU attention kernel on hardware yet "
+                         "(it runs on GPU, on CPU and in interpret mode); use kv_cache_dtype=auto")
+    return AttentionSpec(backend=backend, platform=plat, kv_dtype=kv_dtype,
+                         kv_storage_dtype=kv_storage_dtype(kv_dtype, plat, backend),
+                         interpret=plat == "cpu" if interpret is None else interpret)
+
+
 def get_attention_fn(backend: str = "auto", platform: str | None = None, interpret=False):
     """Ragged paged attention for ``backend`` on ``platform`` (default: jax.default_backend()).
 
@@ -80,7 +98,11 @@ def get_attention_fn(backend: str = "auto", platform: str | None = None, interpr
     ``pltpu.InterpretParams``), so the whole engine can run the pallas path on CPU.
     ``interpret`` is passed through on tpu / gpu (True runs the kernels interpreted).
     """
-    backend, plat = resolve_backend(backend, platform)
+    return _attention_fn(*resolve_backend(backend, platform), interpret)
+
+
+def _attention_fn(backend: str, plat: str, interpret):
+    """get_attention_fn of a resolved backend and platform."""
     if backend == "reference":
         return reference.ragged_paged_attention
     if backend == "native":
@@ -109,7 +131,11 @@ def get_kv_write_fn(backend: str = "auto", platform: str | None = None, interpre
     """The KV-cache write for ``backend`` on ``platform``: the Pallas DMA kernel with
     the TPU kernel (on cpu in interpret mode, as get_attention_fn), the reference
     scatter everywhere else (XLA updates the donated cache in place on CPU and GPU)."""
-    backend, plat = resolve_backend(backend, platform)
+    return _kv_write_fn(*resolve_backend(backend, platform), interpret)
+
+
+def _kv_write_fn(backend: str, plat: str, interpret):
+    """get_kv_write_fn of a resolved backend and platform."""
     if backend in ("reference", "native") or plat == "gpu":
         return reference.write_kv_cache
     from pallas_kernels import kv_cache_update
@@ -117,12 +143,11 @@ def get_kv_write_fn(backend: str = "auto", platform: str | None = None, interpre
     return functools.partial(kv_cache_update.write_kv_cache, interpret=interpret or plat == "cpu")
 
 
-def build_attention(backend: str, platform: str | None, mesh: Mesh | None, *, sm_scale: float,
-                    sliding_window: int | None = None, sliding_window_layers: tuple[bool, ...] | None = None,
-                    soft_cap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                    layer_group: tuple[int, ...] | None = None, layer_slot: tuple[int, ...] | None = None,
-                    interpret=False) -> Callable:
-    """The per-layer attention of a model step (see the module docstring).
+def build_attention(spec: AttentionSpec, mesh: Mesh | None, *, sm_scale: float, sliding_window: int | None = None,
+                    sliding_window_layers: tuple[bool, ...] | None = None, soft_cap: float | None = None,
+                    layer_group: tuple[int, ...] | None = None, layer_slot: tuple[int, ...] | None = None) -> Callable:
+    """The per-layer attention of a model step (see the module docstring), with the
+    kernel and KV write of ``spec`` (resolve_attention_spec).
 
     The KV write comes first, per layer, so a request later in the batch sees blocks an
     earlier request of the same step just filled (prefix dedup). On a mesh of more than
@@ -136,7 +161,7 @@ def build_attention(backend: str, platform: str | None, mesh: Mesh | None, *, sm
     the layer scan) picks between the two kernels with ``lax.switch`` (both compiled,
     one runs); None: every layer uses ``sliding_window``.
 
-    ``k_scale`` / ``v_scale``: per-tensor scales of a float8 cache (stored = value /
+    ``spec.k_scale`` / ``spec.v_scale``: per-tensor scales of a float8 cache (stored = value /
     scale, saturating). Dequantizing is folded into the kernels' existing products: the
     scores' scale becomes sm_scale * k_scale and the output is multiplied by v_scale,
     so the kernels only widen the 8-bit rows they load.
@@ -145,8 +170,9 @@ def build_attention(backend: str, platform: str | None, mesh: Mesh | None, *, sm
     model layer l reads and writes slot ``layer_slot[l]`` of the cache [slots, P, S, 2K, H]
     through group ``layer_group[l]``'s block table and slots (``md.block_tables`` [R, G, Pmax],
     ``md.slot_mapping`` [T, G]). None: one group, layer l in slot l."""
-    attend = get_attention_fn(backend, platform, interpret=interpret)
-    write = get_kv_write_fn(backend, platform, interpret=interpret)
+    attend = _attention_fn(spec.backend, spec.platform, spec.interpret)
+    write = _kv_write_fn(spec.backend, spec.platform, spec.interpret)
+    k_scale, v_scale = spec.k_scale, spec.v_scale
     if sliding_window is None or sliding_window_layers is None or all(sliding_window_layers):
         windows = None
     elif not any(sliding_window_layers):

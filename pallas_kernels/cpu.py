@@ -9,7 +9,7 @@ by the source, the compiler, the flags and the CPU's feature flags
 builds it ahead (``python -m pallas_kernels.cpu``). Where no compiler is found or the
 build fails, ``available()`` is False and the backend falls back to the reference.
 
-Cache dtypes: float32, bfloat16 (or the CPU runner's uint16 bit patterns), 8-bit floats
+Cache dtypes: float32, bfloat16 (or its uint16 bit patterns, storage.py), 8-bit floats
 (widened through a 256-entry table, exactly as ``astype(float32)``). q: float32 or bfloat16.
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.inputs import layer_index, validate_inputs
+from pallas_kernels.storage import BF16_BITS
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def _cache_kind(dtype) -> int | None:
     dtype = jnp.dtype(dtype)
     if dtype == jnp.float32:
         return _CACHE_F32
-    if dtype in (jnp.bfloat16, jnp.uint16):
+    if dtype in (jnp.bfloat16, BF16_BITS):
         return _CACHE_BF16
     if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
         return _CACHE_BYTE_LUT

@@ -4,8 +4,9 @@ Only static (shape / dtype / Python value) checks: they run once per trace, neve
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+
+from pallas_kernels.storage import BF16_BITS, to_bf16_bits
 
 
 def validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, *, sliding_window=None, soft_cap=None):
@@ -40,8 +41,8 @@ def to_cache_dtype(x, dtype):
     if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8:
         big = float(jnp.finfo(dtype).max)
         x = jnp.clip(x.astype(jnp.float32), -big, big)
-    if jnp.dtype(dtype) == jnp.uint16:  # a bf16 cache stored as bit patterns (reference.py)
-        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    if jnp.dtype(dtype) == BF16_BITS:  # a bf16 cache stored as bit patterns (storage.py)
+        return to_bf16_bits(x.astype(jnp.bfloat16))
     return x.astype(dtype)
 
 

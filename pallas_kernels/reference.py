@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.inputs import to_cache_dtype
+from pallas_kernels.storage import from_bf16_bits
 
 # Prefix part: pages gathered per loop iteration, at most: enough work per iteration to
 # hide the loop overhead on CPU, small enough that a short context does not waste much.
@@ -195,8 +196,7 @@ def _read_kv(kv_cache, layer, pages, offsets=None, keep_bf16=False):
     (stacked) cache: whole pages [..., S, 2K, H], or single slots [..., 2K, H] with ``offsets``."""
     idx = (pages,) if offsets is None else (pages, offsets)
     rows = kv_cache[idx] if layer is None else kv_cache[(layer, *idx)]
-    if rows.dtype == jnp.uint16:  # a bf16 cache kept as bit patterns (the CPU runner's choice)
-        rows = jax.lax.bitcast_convert_type(rows, jnp.bfloat16)
+    rows = from_bf16_bits(rows)  # a bf16 cache kept as bit patterns (storage.py)
     return rows if keep_bf16 and rows.dtype == jnp.bfloat16 else rows.astype(jnp.float32)
 
 

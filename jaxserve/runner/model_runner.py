@@ -51,7 +51,7 @@ from jaxserve.sample.sampler import compute_logprobs, sample
 from models.config import attention_settings
 from models.loader import load_model
 from pallas_kernels.attention_metadata import AttentionMetadata
-from pallas_kernels.backend import build_attention, resolve_backend
+from pallas_kernels.backend import build_attention, resolve_attention_spec
 
 logger = logging.getLogger("jaxserve")
 
@@ -152,21 +152,11 @@ class ModelRunner:
         self.param_dtype = resolve_weight_dtype(mc.weight_dtype, mc.dtype, self.platform)
         # The KV pages' dtype: the model's, bf16, or float8 e4m3 (written saturating,
         # widened by the attention kernel as it loads them).
-        self.kv_dtype = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
-                         "bfloat16": jnp.bfloat16}.get(cc.cache_dtype, self.dtype)
-        fp8_cache = jnp.dtype(self.kv_dtype).itemsize == 1
-        # "auto" resolved once: on CPU it depends on whether the native kernel builds.
-        self.attention_backend = backend = resolve_backend(mc.attention_backend, self.platform)[0]
-        # What the pages are stored as: on CPU a bf16 cache is kept as its uint16 bit
-        # patterns (models.quantization.scan_safe's reason: XLA:CPU widens a bf16 array
-        # that the layer loop gathers from or scatters into to float32, the whole cache per
-        # layer: 64.7 against 6.2 ms per layer for 64 decode rows); both CPU kernels read them.
-        self.kv_storage_dtype = self.kv_dtype
-        if jnp.dtype(self.kv_dtype) == jnp.bfloat16 and self.platform == "cpu" and backend in ("reference", "native"):
-            self.kv_storage_dtype = jnp.uint16
-        if fp8_cache and self.platform == "tpu" and backend == "pallas":
-            raise ValueError("kv_cache_dtype=fp8 is not supported by the TPU attention kernel on hardware yet "
-                             "(it runs on GPU, on CPU and in interpret mode); use kv_cache_dtype=auto")
+        kv_dtype = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
+                    "bfloat16": jnp.bfloat16}.get(cc.cache_dtype, self.dtype)
+        # "auto" resolved once (on CPU it depends on whether the native kernel builds),
+        # with how the pages are stored: the spec the kernels and the draft model take.
+        self.attention_spec = resolve_attention_spec(mc.attention_backend, self.platform, kv_dtype)
         self.block_size = cc.block_size
         self.max_model_len = sc.max_model_len
         self.max_num_reqs = sc.max_num_seqs
@@ -264,13 +254,10 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self._seed_rng = np.random.default_rng(mc.seed)
         # A float8 cache uses the checkpoint's KV scales (kv_cache_scheme) when it has them.
-        self.kv_cache_scales = (self.arch.kv_cache_scales or (1.0, 1.0)) if fp8_cache else (1.0, 1.0)
-        if self.arch.kv_cache_scales and not fp8_cache:
+        self.attention_spec = self.attention_spec.with_kv_scales(self.arch.kv_cache_scales)
+        if self.arch.kv_cache_scales and not self.attention_spec.quantized_kv:
             logger.info("The checkpoint's KV cache scales are unused: kv_cache_dtype is not fp8")
-        # On CPU the pallas kernels run under the Pallas interpreter (tests, debugging).
-        self._attention = build_attention(mc.attention_backend, self.platform, self.mesh,
-                                          interpret=self.platform == "cpu", **attention_settings(self.arch),
-                                          k_scale=self.kv_cache_scales[0], v_scale=self.kv_cache_scales[1],
+        self._attention = build_attention(self.attention_spec, self.mesh, **attention_settings(self.arch),
                                           layer_group=self.kv_cache_layout.layer_group,
                                           layer_slot=self.kv_cache_layout.layer_slot)
         self._build_step_functions()
@@ -280,6 +267,26 @@ class ModelRunner:
     def _local_device(self) -> jax.Device:
         """A mesh device of this process (multi-host: only those report memory stats)."""
         return next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+
+    @property
+    def attention_backend(self) -> str:
+        """The attention kernel in use ("auto" resolved): reference, native or pallas."""
+        return self.attention_spec.backend
+
+    @property
+    def kv_dtype(self):
+        """The K/V values' dtype (the model's, bfloat16 or float8 e4m3)."""
+        return self.attention_spec.kv_dtype
+
+    @property
+    def kv_storage_dtype(self):
+        """The KV cache arrays' dtype (pallas_kernels/storage.py: bf16 as bit patterns on CPU)."""
+        return self.attention_spec.kv_storage_dtype
+
+    @property
+    def kv_cache_scales(self) -> tuple[float, float]:
+        """(k_scale, v_scale) of an 8-bit cache; (1.0, 1.0) otherwise."""
+        return self.attention_spec.k_scale, self.attention_spec.v_scale
 
     @property
     def ready_tokens(self) -> int:

@@ -46,8 +46,10 @@ class DraftModelProposer:
         if self.arch.vocab_size != runner.vocab_size:
             raise ValueError(f"speculative_config.model: the draft model's vocabulary ({self.arch.vocab_size}) "
                              f"differs from the target's ({runner.vocab_size}); it needs the same tokenizer")
-        self.attention = build_attention(runner.config.model_config.attention_backend, runner.platform, runner.mesh,
-                                         interpret=runner.platform == "cpu", **attention_settings(self.arch))
+        # The target's spec (kernel, page storage) without its checkpoint's KV scales: the
+        # draft model writes its pages unscaled.
+        self.attention = build_attention(runner.attention_spec.with_kv_scales(None), runner.mesh,
+                                         **attention_settings(self.arch))
         self.kv_cache = None  # allocate_kv_cache() once the runner knows its page count
         largest = runner.max_num_tokens + runner.max_num_reqs
         self.buckets = BucketTable(sorted(set(runner.token_buckets) | {cdiv(largest, 16) * 16}))

@@ -1,4 +1,5 @@
 """Backend dispatch: names, platform mapping, and the pallas path end to end on CPU."""
+import dataclasses
 import functools
 import inspect
 
@@ -11,6 +12,13 @@ from rpa_cases import CASES, assert_matches_case, case_batch
 
 # This machine's CPU default: the native kernel where it builds (CI has g++).
 CPU_AUTO = "native" if cpu.available() else "reference"
+
+
+def spec(name, platform, *, interpret=False, k_scale=1.0, v_scale=1.0):
+    """The AttentionSpec build_attention takes: ``name`` resolved on ``platform``, the KV
+    scales as given (whatever the cache's dtype)."""
+    resolved = backend.resolve_attention_spec(name, platform, jnp.float32, interpret=interpret)
+    return dataclasses.replace(resolved, k_scale=k_scale, v_scale=v_scale)
 
 
 def _target(fn):
@@ -31,6 +39,26 @@ def _target(fn):
 )
 def test_resolve_backend(name, platform, expected):
     assert backend.resolve_backend(name, platform)[0] == expected
+
+
+def test_attention_spec_resolves_backend_storage_and_scales_once():
+    """One spec per engine: the backend resolved, the pages' storage (a bf16 cache as its
+    bit patterns under the CPU kernels only), interpret on CPU, and a checkpoint's KV
+    scales used by an 8-bit cache only."""
+    bf16 = backend.resolve_attention_spec("reference", "cpu", jnp.bfloat16)
+    assert (bf16.backend, bf16.kv_dtype, bf16.kv_storage_dtype, bf16.interpret) == (
+        "reference", jnp.bfloat16, jnp.uint16, True)
+    assert backend.resolve_attention_spec("pallas", "cpu", jnp.bfloat16).kv_storage_dtype == jnp.bfloat16
+    gpu_spec = backend.resolve_attention_spec("auto", "cuda", jnp.bfloat16)
+    assert (gpu_spec.backend, gpu_spec.platform, gpu_spec.kv_storage_dtype, gpu_spec.interpret) == (
+        "pallas", "gpu", jnp.bfloat16, False)
+    assert backend.resolve_attention_spec("auto", "cpu").backend == CPU_AUTO
+    fp8 = backend.resolve_attention_spec("reference", "cpu", jnp.float8_e4m3fn)
+    assert fp8.quantized_kv and fp8.kv_storage_dtype == jnp.float8_e4m3fn
+    assert (fp8.with_kv_scales((0.5, 2.0)).k_scale, fp8.with_kv_scales((0.5, 2.0)).v_scale) == (0.5, 2.0)
+    assert (fp8.with_kv_scales(None).k_scale, bf16.with_kv_scales((0.5, 2.0)).v_scale) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="kv_cache_dtype=fp8"):
+        backend.resolve_attention_spec("pallas", "tpu", jnp.float8_e4m3fn)
 
 
 def test_dispatch_targets():
@@ -133,7 +161,7 @@ def test_built_attention_writes_then_attends():
     v = jnp.asarray(rng.standard_normal((L, 8, K, H)), jnp.float32)
 
     def run(name):
-        attention = backend.build_attention(name, "cpu", None, sm_scale=H ** -0.5)
+        attention = backend.build_attention(spec(name, "cpu"), None, sm_scale=H ** -0.5)
         cache_out, o = scan_layers(attention, q, k, v, md, cache)
         return np.asarray(cache_out), np.asarray(o)
 
@@ -152,7 +180,7 @@ def test_built_attention_writes_then_attends():
         block_tables=jnp.asarray(np.stack([tables, np.where(tables > 0, tables + P, 0)], axis=1)))
     grouped_cache = jnp.concatenate([cache[0], cache[1]])[None]  # [1, 2P, S, 2K, H]
     for name in ("reference", "pallas", "native"):
-        attention = backend.build_attention(name, "cpu", None, sm_scale=H ** -0.5, layer_group=(0, 1),
+        attention = backend.build_attention(spec(name, "cpu"), None, sm_scale=H ** -0.5, layer_group=(0, 1),
                                             layer_slot=(0, 0))
         cache_out, o = (np.asarray(a) for a in scan_layers(attention, q, k, v, grouped_md, grouped_cache))
         np.testing.assert_allclose(o[:, :6], ref_o[:, :6], rtol=2e-5, atol=2e-5)
@@ -188,14 +216,14 @@ def test_built_attention_fp8_cache_and_per_layer_windows(variant):
     q = jnp.asarray(rng.standard_normal((T, N, H)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((L, T, K, H)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((L, T, K, H)) * (30 if variant == "fp8_scaled" else 1), jnp.float32)
-    kw = dict(sm_scale=H ** -0.5)
+    kw, scales = dict(sm_scale=H ** -0.5), {}
     if variant == "fp8_scaled":
-        kw |= dict(k_scale=0.5, v_scale=3.0)  # v up to ~130: stored at most ~45 (e4m3's max is 448)
+        scales = dict(k_scale=0.5, v_scale=3.0)  # v up to ~130: stored at most ~45 (e4m3's max is 448)
     if variant == "windows":
         kw |= dict(sliding_window=8, sliding_window_layers=(True, False), soft_cap=5.0)
 
     def run(name, platform, cache=cache):
-        attention = backend.build_attention(name, platform, None, interpret=True, **kw)
+        attention = backend.build_attention(spec(name, platform, interpret=True, **scales), None, **kw)
         return [np.asarray(a.astype(jnp.float32)) for a in scan_layers(attention, q, k, v, md, cache)]
 
     ref_cache, ref_o = run("reference", "cpu")
