@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Every command that README.md and docs/ show, run as written or at its smallest size.
+
+Long runs (the soak and fuzz runs, the benchmarks) are run here with small counts; the
+docs mark them as long runs and name this variant (docs/testing.md lists each command
+and where CI runs it). Each entry: a name, the shell command, a time limit, and what its
+output must contain. Run from the repository root after `make install-test`:
+
+    python3 .ci/documented_commands.py [NAME ...]
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = ".venv/bin/python"
+TMP = Path(tempfile.mkdtemp(prefix="jaxserve-docs-"))
+# The default model's GGUF file, as `jaxserve convert FILE.gguf OUT_DIR` takes it.
+GGUF = f"$({PY} -c 'from models.default_model import default_gguf_path; print(default_gguf_path())')"
+BENCHMARKS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "common.py")
+
+# (name, command, timeout in s, regex the output must match)
+COMMANDS: list[tuple[str, str, int, str]] = [
+    *[(f"help:{b}", f"{PY} benchmarks/{b} --help", 120, r"usage:") for b in BENCHMARKS],
+    ("convert:hf", f"{PY} -m jaxserve.cli convert {GGUF} {TMP}/smollm2-hf", 300, r""),
+    ("convert:orbax", f"{PY} -m jaxserve.cli convert {TMP}/smollm2-hf {TMP}/smollm2-orbax --format orbax "
+     "--dtype bfloat16", 300, r""),
+    ("capacity_plan", f"{PY} benchmarks/capacity_plan.py", 120, r"\S"),
+    ("bench_throughput", f"{PY} benchmarks/bench_throughput.py --num-prompts 4 --input-len 16 --output-len 4",
+     600, r"Throughput: .* output tokens/s"),
+    ("bench_serving", f"{PY} benchmarks/bench_serving.py --launch --max-concurrency 1 2 --num-prompts 2 4 "
+     "--input-len 16 --output-len 4", 600, r"(?i)ttft"),
+    ("bench_kernels", f"{PY} benchmarks/bench_kernels.py --small --iters 1", 600, r"\S"),
+    ("profile_step", f"{PY} benchmarks/profile_step.py --batch 2 --steps 2", 600, r"\S"),
+    # The two-process example of docs/scale_out.md, as written, then one request and Ctrl-C.
+    ("multihost example", """
+export JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=3
+ARGS="-tp 3 -dp 2 --max-model-len 512 --distributed-coordinator-address 127.0.0.1:7777 --num-processes 2"
+.venv/bin/jaxserve serve $ARGS --process-id 1 & F=$!
+.venv/bin/jaxserve serve $ARGS --process-id 0 & L=$!
+for i in $(seq 500); do curl -sf localhost:8000/v1/models >/dev/null && break; sleep 1; done
+curl -sf localhost:8000/v1/completions -H 'Content-Type: application/json' \
+  -d '{"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 4}'
+kill -INT $L; wait $L; wait $F
+""", 600, r'"text"'),
+    ("soak (long run: JAXSERVE_SOAK_REQUESTS=5000)",
+     "JAXSERVE_SOAK_REQUESTS=24 JAXSERVE_SOAK_CONCURRENCY=8 .venv/bin/pytest -q -s "
+     "tests/server/test_soak.py", 600, r"\d+ passed"),
+    ("fuzz (long run: JAXSERVE_FUZZ_EXAMPLES=2000)",
+     "JAXSERVE_FUZZ_EXAMPLES=3 .venv/bin/pytest -q -s tests/server/test_fuzz_openapi.py",
+     600, r"\d+ passed"),
+]
+
+
+def run(name: str, cmd: str, timeout: int, expect: str) -> bool:
+    print(f"[docs] {name}: $ {cmd}", flush=True)
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, shell=True, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        print(f"[docs] FAILED {name}: over {timeout} s\n{out[-3000:]}", flush=True)
+        return False
+    ok = p.returncode == 0 and re.search(expect, out) is not None
+    print(f"[docs] {'ok' if ok else 'FAILED'} {name} (exit {p.returncode}, {time.monotonic() - t0:.1f} s)",
+          flush=True)
+    if not ok:
+        print(out[-4000:], flush=True)
+    return ok
+
+
+def main() -> int:
+    wanted = sys.argv[1:]
+    chosen = [c for c in COMMANDS if not wanted or any(c[0].startswith(w) for w in wanted)]
+    failed = [c[0] for c in chosen if not run(*c)]
+    print(f"[docs] {len(chosen) - len(failed)} of {len(chosen)} documented commands ran"
+          + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
