@@ -1,5 +1,6 @@
 """Greedy decoding with HF transformers (torch, f32), recording the top-2 margin so
-comparisons stop before a near-tie (where 1-ULP differences may legitimately flip argmax)."""
+comparisons stop before a near-tie (where 1-ULP differences may legitimately flip argmax),
+and never compare fewer than a minimum number of tokens."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,15 +35,21 @@ class HFReference:
             return self.model(self.torch.tensor([ids])).logits[0].numpy()
 
 
-def comparable_prefix(ref: list[int], margins: list[float]) -> int:
-    """Number of leading tokens whose choice is not a near-tie in HF."""
+def comparable_prefix(ref: list[int], margins: list[float], near_tie: float = NEAR_TIE) -> int:
+    """Number of leading tokens whose choice is not a near-tie in HF (top-2 margin >= near_tie)."""
     for i, m in enumerate(margins):
-        if m < NEAR_TIE:
+        if m < near_tie:
             return i
     return len(ref)
 
 
-def assert_greedy_match(ours: list[int], ref: list[int], margins: list[float], what: str = "") -> None:
-    n = comparable_prefix(ref, margins)
-    assert n >= min(4, len(ref)), f"{what}: HF near-tie too early to compare ({margins[:5]})"
+def assert_greedy_match(ours: list[int], ref: list[int], margins: list[float], what: str = "", *,
+                        near_tie: float = NEAR_TIE, min_prefix: int = 4) -> None:
+    """Our greedy tokens equal HF's up to its first near-tie; at least ``min_prefix`` tokens
+    (or all of ``ref``) must come before it, so that the check never passes by comparing
+    nothing. ``near_tie``: the top-2 logit margin below which a choice may legitimately flip
+    (1-ULP noise in float32; a narrower dtype's rounding needs a wider one)."""
+    n = comparable_prefix(ref, margins, near_tie)
+    assert n >= min(min_prefix, len(ref)), (
+        f"{what}: HF near-tie (margin < {near_tie}) after {n} tokens, too early to compare ({margins[:5]})")
     assert ours[:n] == ref[:n], f"{what}: jaxserve {ours[:n]} != HF {ref[:n]}"
