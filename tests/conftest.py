@@ -1,9 +1,23 @@
 import atexit
+import importlib.util
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
+
+# The project's packages, not test folders of the same names (tests/models, tests/server,
+# tests/pallas_kernels): a namespace package found first on sys.path shadows them, and
+# a test then fails far from the cause. pyproject.toml's `pythonpath` prevents it; this
+# says so at once if it comes back (.ci/collect_each.py collects each file alone).
+_ROOT = Path(__file__).resolve().parent.parent
+for _name in ("jaxserve", "models", "pallas_kernels", "server"):
+    _spec = importlib.util.find_spec(_name)
+    _origin = Path(_spec.origin).resolve().parent if _spec is not None and _spec.origin else None
+    if _origin != _ROOT / _name:
+        raise ImportError(f"{_name!r} resolves to {_origin or list(_spec.submodule_search_locations or [])}, "
+                          f"not {_ROOT / _name}: run pytest from the repository root (pyproject.toml's pythonpath)")
 
 # Tests run on the CPU; eight host devices (issue 10: tp up to 8, dp x tp) let sharding tests build real meshes.
 HOST_DEVICES = 8
