@@ -1,4 +1,4 @@
-"""Online serving benchmark, `vllm bench serve`-style (reference §11: BM-01..BM-08).
+"""Online serving benchmark, `vllm bench serve`-style (docs/vllm_behaviours.md §11: BM-01..BM-08).
 
 Streams /v1/completions requests with random prompts of a fixed input length and a
 fixed output length (ignore_eos), at a given max concurrency (all requests are sent at

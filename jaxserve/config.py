@@ -90,7 +90,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """The ('data', 'model') mesh: data_parallel_size ranks, each with its own KV cache
-    and scheduler, times tensor_parallel_size devices per rank (DESIGN §5); and, for
+    and scheduler, times tensor_parallel_size devices per rank (docs/design.md §5); and, for
     multi-host (JAX multi-controller), how this process joins the others."""
 
     tensor_parallel_size: int = 1

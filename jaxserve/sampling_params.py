@@ -1,6 +1,6 @@
 """SamplingParams: vLLM's sampling knobs, validated on construction.
 
-Choices where vLLM versions differ (see shared/reference §13):
+Choices where vLLM versions differ (see docs/vllm_behaviours.md §13):
 - temperature must lie in [0, 2] (OpenAI's range; the newest vLLM rejects > 2);
   0 < temperature < 1e-2 is raised to 1e-2 with a warning (sampling at a lower
   temperature is numerically indistinguishable from greedy anyway).

@@ -1,4 +1,4 @@
-"""Orbax checkpoints of the serving params, for fast restarts (DESIGN §6):
+"""Orbax checkpoints of the serving params, for fast restarts (docs/design.md §6):
 ``jaxserve convert MODEL OUT --format orbax`` writes one (``convert_to_orbax``),
 ``load_model(OUT)`` restores it straight into each param's sharding (``restore_orbax``).
 
@@ -70,8 +70,7 @@ def _checkpointer():
     import orbax.checkpoint as ocp
 
     # Uncompressed: the folder exists for fast restarts, and decompressing cost more
-    # load time (SmolLM2-135M f32 on 2 CPU cores: 2.2 s compressed, 1.2 s not) than
-    # the disk it saved (326 vs 514 MB).
+    # load time (nearly twice as long on a 2-core CPU) than the disk it saved (a third).
     return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
 
 

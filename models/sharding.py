@@ -1,4 +1,4 @@
-"""The tensor-parallel layout (DESIGN §5): which tp sizes a model supports, the
+"""The tensor-parallel layout (docs/design.md §5): which tp sizes a model supports, the
 effective architecture a model is built with at a given tp, and how each axis of a
 served param maps back onto the checkpoint's (tp=1) axis.
 

@@ -1,5 +1,5 @@
 """Stream HF safetensors checkpoints onto the mesh by a model class's weight map
-(models/base.py), one device shard at a time (DESIGN §5 "Loading").
+(models/base.py), one device shard at a time (docs/design.md §5, "Loading").
 
 Every param is a ``jax.make_array_from_callback`` whose callback reads only the index
 range that device holds, layer by layer for stacked params, transposes, pads or

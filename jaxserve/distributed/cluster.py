@@ -6,7 +6,7 @@ process feeding the devices it owns; jax.distributed.initialize must run before
 anything touches a device. Process 0 is the leader (step_channel.py says what it
 does); a single-process run is its own leader.
 
-Failure model, JAX's layer (DESIGN.md §5: a dead peer ends the others with an
+Failure model, JAX's layer (docs/design.md §5: a dead peer ends the others with an
 error, never a hang; watchdog.py is the other, independent layer, and either is
 enough for the 60 s bound): the coordination service (hosted inside process 0)
 expects a heartbeat from every process. Measured on jax 0.10.2 (CPU, gloo):

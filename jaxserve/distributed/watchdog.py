@@ -1,6 +1,6 @@
 """Peer heartbeats and the watchdog that ends a process whose peer went silent.
 
-Failure model, jaxserve's layer (DESIGN.md §5: a dead peer ends the others with an
+Failure model, jaxserve's layer (docs/design.md §5: a dead peer ends the others with an
 error, never a hang; cluster.py describes JAX's own layer, and either is enough for
 the 60 s bound). The step channel (step_channel.py) sends steps over direct TCP
 connections, so a follower sees a dead leader at once as a closed connection; on top

@@ -36,9 +36,9 @@ class LLMEngine:
         self.config = config
         mc = config.model_config
         t0 = time.perf_counter()
-        # The tokenizer (transformers' import 0.6 s, the load 0.3 s) loads on a thread while
-        # the engine core loads the weights and its programs, much of which runs outside
-        # the GIL (file reads, device copies, XLA): warm `make serve` 4.6-4.8 -> 3.9-4.5 s.
+        # The tokenizer (transformers' import and the load: most of a second) loads on a
+        # thread while the engine core loads the weights and its programs, much of which
+        # runs outside the GIL (file reads, device copies, XLA), so the two overlap.
         with ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenizer") as pool:
             tokenizer = pool.submit(load_tokenizer, mc.tokenizer or mc.model)
             self.engine_core = EngineCore(config, mc.model, progress=progress)

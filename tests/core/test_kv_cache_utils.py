@@ -1,4 +1,4 @@
-"""KV-01..KV-13: blocks, free queue, hashing, metrics (shared/reference §1)."""
+"""KV-01..KV-13: blocks, free queue, hashing, metrics (docs/vllm_behaviours.md §1)."""
 import subprocess
 import sys
 

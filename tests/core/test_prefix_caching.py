@@ -1,4 +1,4 @@
-"""PC-01..PC-17: the KV cache manager with prefix caching (shared/reference §2).
+"""PC-01..PC-17: the KV cache manager with prefix caching (docs/vllm_behaviours.md §2).
 
 Setup as vLLM's tests: block_size 16, 11 blocks (block 0 is the null block).
 Free-queue placement choice (PC-03 [VER]): blocks freed without a hash go to the

@@ -1,4 +1,4 @@
-"""SC-01..SC-18 and PC-15..PC-17 at scheduler level (shared/reference §2-3)."""
+"""SC-01..SC-18 and PC-15..PC-17 at scheduler level (docs/vllm_behaviours.md §2-3)."""
 import pytest
 from factories import EOS, assert_scheduler_empty, make_request, make_scheduler, run_step
 

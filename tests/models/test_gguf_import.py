@@ -1,8 +1,8 @@
 """The GGUF -> HF conversion of the embedded default model, checked against transformers.
 
 transformers can read the same GGUF file itself (with torch); our converter must agree
-with it on token ids and weights, and the converted model must answer the DESIGN.md
-question correctly.
+with it on token ids and weights, and the converted model must answer the README's
+question (the capital of France) correctly.
 """
 
 import importlib.util

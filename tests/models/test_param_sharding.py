@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from models.loader import load_model
 from models.registry import _MODEL_REGISTRY, get_model_class
 
-# The tensor-parallel layout (DESIGN §5); every other variable is replicated.
+# The tensor-parallel layout (docs/design.md §5); every other variable is replicated.
 COLUMN, ROW, COLUMN_BIAS = P(None, None, "model"), P(None, "model", None), P(None, "model")
 EXPECTED = {
     **dict.fromkeys(["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"], COLUMN),

@@ -1,4 +1,4 @@
-"""AsyncLLM directly (reference §7: EN-01..EN-05): streaming deltas, FINAL_ONLY, aborts,
+"""AsyncLLM directly (docs/vllm_behaviours.md §7: EN-01..EN-05): streaming deltas, FINAL_ONLY, aborts,
 cancellation, request-id reuse, validation in the caller's context, an idle loop that
 does not spin."""
 from __future__ import annotations

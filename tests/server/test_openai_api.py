@@ -1,5 +1,5 @@
 """The OpenAI-compatible server end to end: a real uvicorn on 127.0.0.1, driven by the
-official `openai` client and raw httpx (reference §9–§10: API-01..API-18, CL-05/06)."""
+official `openai` client and raw httpx (docs/vllm_behaviours.md §9–§10: API-01..API-18, CL-05/06)."""
 from __future__ import annotations
 
 import asyncio

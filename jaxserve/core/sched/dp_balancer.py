@@ -1,4 +1,4 @@
-"""Which data-parallel rank a new request goes to (DESIGN §5).
+"""Which data-parallel rank a new request goes to (docs/design.md §5).
 
 Each rank has its own scheduler and KV cache, so a request's cost on a rank is the
 work already queued there plus the prompt tokens it would compute there: tokens
