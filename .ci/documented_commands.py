@@ -32,6 +32,10 @@ COMMANDS: list[tuple[str, str, int, str]] = [
     ("convert:hf", f"{PY} -m jaxserve.cli convert {GGUF} {TMP}/smollm2-hf", 300, r""),
     ("convert:orbax", f"{PY} -m jaxserve.cli convert {TMP}/smollm2-hf {TMP}/smollm2-orbax --format orbax "
      "--dtype bfloat16", 300, r""),
+    # README's and docs/testing.md's single file / directory runs (a file alone once failed).
+    ("one file", ".venv/bin/pytest -q tests/e2e/test_default_model.py", 600, r"\d+ passed"),
+    ("one directory", ".venv/bin/pytest -q tests/server", 900, r"\d+ passed"),
+    ("some tests of a file", ".venv/bin/pytest -q tests/core/test_scheduler.py -k preempt", 300, r"\d+ passed"),
     ("capacity_plan", f"{PY} benchmarks/capacity_plan.py", 120, r"\S"),
     ("bench_throughput", f"{PY} benchmarks/bench_throughput.py --num-prompts 4 --input-len 16 --output-len 4",
      600, r"Throughput: .* output tokens/s"),
