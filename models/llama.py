@@ -8,11 +8,11 @@ with depth. Projections are stored [in, out] so a matmul is ``x @ w`` (``matmul`
 bf16 weights under float32 activations multiply x rounded to bf16, and on CPU the
 stacked bf16 layer weights are stored as uint16 bit patterns for the scan, ``scan_safe``,
 pallas_kernels/storage.py).
-The KV cache is [L, P, S, 2K, H] (DESIGN §4) and is threaded through the scan; with
+The KV cache is [L, P, S, 2K, H] (docs/design.md §4) and is threaded through the scan; with
 KV cache groups (Gemma's local and global layers, jaxserve/core/kv_cache_groups.py) its
 first axis is a group's slots, and the attention maps each layer to its slot.
 
-Tensor parallelism (DESIGN §5): q/k/v/gate/up are split by output columns, o/down
+Tensor parallelism (docs/design.md §5): q/k/v/gate/up are split by output columns, o/down
 by input rows, the embedding and lm_head by vocabulary (padded to a multiple of tp;
 ``compute_logits`` drops the padding); the declarations are in ``weight_map``.
 """

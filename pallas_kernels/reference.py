@@ -1,6 +1,6 @@
 """Plain-jnp ragged paged attention: the CPU default and the oracle for every kernel.
 
-Shapes (DESIGN §4): T tokens, N query heads, K kv heads, H head dim, R requests,
+Shapes (docs/design.md §4): T tokens, N query heads, K kv heads, H head dim, R requests,
 P pages, S page size, Pmax pages per request.
 
 KV cache layout, per layer: ``kv_cache[P, S, 2K, H]`` with K and V interleaved on

@@ -1,6 +1,6 @@
-"""The serving dtypes: the activations' (``--dtype``) and the matmul weights'
-(``--weight-dtype``), resolved for the platform and, on a CPU, for what it multiplies
-natively."""
+"""The serving dtypes: the activations' (``--dtype``), the matmul weights'
+(``--weight-dtype``) and the KV cache's (``--kv-cache-dtype``), resolved for the platform
+and, on a CPU, for what it multiplies natively."""
 from __future__ import annotations
 
 import functools
@@ -21,6 +21,13 @@ def resolve_dtype(dtype: str | None, platform: str):
     if dtype not in _TABLE:
         raise ValueError(f"dtype must be one of auto, {', '.join(_TABLE)}; got {dtype!r}")
     return _TABLE[dtype]
+
+
+def resolve_kv_cache_dtype(cache_dtype: str | None, dtype):
+    """The K/V values' dtype: the activations' ``dtype`` (auto), bfloat16, or float8 e4m3
+    (fp8: written saturating, widened by the attention kernel as it loads them). How the
+    pages store it is the attention spec's (pallas_kernels/storage.py)."""
+    return {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "bfloat16": jnp.bfloat16}.get(cache_dtype, dtype)
 
 
 def resolve_weight_dtype(weight_dtype: str | None, dtype: str | None, platform: str):

@@ -1,7 +1,7 @@
 """Program keys: which compiled program of the step a call runs.
 
 The warm-up compiles one program per key and serving looks them up by key, so the
-set of keys is the set of programs (a sum over buckets, never a product: DESIGN §3).
+set of keys is the set of programs (a sum over buckets, never a product: docs/design.md §3).
 Keys are frozen dataclasses, not tuples, so keys of different programs never compare
 equal (a ModelStepKey(64) is not a PromptLogprobsKey(64)).
 """

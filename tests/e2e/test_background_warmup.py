@@ -9,7 +9,7 @@ import pytest
 from compile_counter import count_compiles
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.compilation_manager import CompilationManager
 
 pytestmark = pytest.mark.slow
 
@@ -34,15 +34,15 @@ def test_serves_within_the_compiled_steps_then_all_of_them(tiny_models, monkeypa
 
     # The background stages wait until the test lets them go; every program compiles (the
     # reference engine's saved executables are not read: test_executable_cache.py loads them).
-    gate, real = threading.Event(), ModelRunner._warm_up_stage
+    gate, real = threading.Event(), CompilationManager._warm_up_stage
 
     def gated(self, stage, w, desc):
         if desc is None:
             gate.wait(300)
         return real(self, stage, w, desc)
 
-    monkeypatch.setattr(ModelRunner, "_warm_up_stage", gated)
-    monkeypatch.setattr(ModelRunner, "_executable_cache", lambda self: None)
+    monkeypatch.setattr(CompilationManager, "_warm_up_stage", gated)
+    monkeypatch.setattr(CompilationManager, "_executable_cache", lambda self: None)
     llm = LLM(path, background_warmup=True, **SETTINGS)
     try:
         check_serving_while_warming_up(llm, gate, prompts, sp, want, want_values)
