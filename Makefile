@@ -30,7 +30,7 @@ $(TEST_STAMP): $(STAMP)
 install-test: $(TEST_STAMP)
 
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 serve: install
 	$(VENV)/bin/jaxserve serve --host 127.0.0.1 --port 8000
