@@ -126,12 +126,12 @@ def matmul(x, w, *, transposed: bool = False):
     dtype. A 16-bit float on either side multiplies in that dtype with float32
     accumulation and output (one rounding, to x's dtype, at the end): bf16 weights under
     float32 activations (``weight_dtype``) round x to bf16 first. That is the form AMX /
-    AVX512-BF16 run natively: XLA:CPU's bf16 dot with a float32 result ran 700-1000
-    GFLOP/s on a 2-core Sapphire Rapids VM at SmolLM2's shapes (64-256 rows), against
-    140-310 for float32 and 30-230 for a bf16 result (which it emulates). TPU / GPU
+    AVX512-BF16 run natively: on an AMX CPU XLA:CPU's bf16 dot with a float32 result ran
+    ~3x float32's FLOP/s at SmolLM2's shapes (64-256 rows), and a bf16 result (which it
+    emulates) slower than float32. TPU / GPU
     accumulate in float32 either way. The transposed form is one dot_general: a
     transpose before the product cost XLA:CPU a copy of the whole table (lm_head
-    [64, 576] x [49152, 576]: 39 against 3.5 ms)."""
+    [64, 576] x [49152, 576]: ~10x slower)."""
     if x.dtype not in _NARROW and w.dtype not in _NARROW:
         return x @ (w.T if transposed else w)
     low = w.dtype if w.dtype in _NARROW else x.dtype
@@ -139,8 +139,8 @@ def matmul(x, w, *, transposed: bool = False):
     one_row = math.prod(x.shape[:-1]) == 1 and jax.default_backend() == "cpu"
     if one_row:
         # One row is a vector-matrix product to XLA:CPU, which widens the whole weight to
-        # float32 for it on every call (and skips x's rounding): the lm_head took 30 ms,
-        # against 1.8 ms for the same row padded to 4 (3.5 ms in float32).
+        # float32 for it on every call (and skips x's rounding): the lm_head was ~15x
+        # slower than the same row padded to 4.
         xs = jnp.pad(x.reshape(1, -1), ((0, 3), (0, 0)))
     contract = (((xs.ndim - 1,), (1 if transposed else 0,)), ((), ()))
     out = jax.lax.dot_general(xs.astype(low), w.astype(low), contract, preferred_element_type=jnp.float32)

@@ -61,12 +61,11 @@ def step_buckets(config: EngineConfig, platform: str) -> tuple[BucketTable, Buck
     On a CPU, a step of one token (and the sampler of one request) gets a bucket of
     its own: its matmuls are then matrix-vector products, which XLA:CPU streams at
     memory speed, where [16, K] @ [K, N] goes through Eigen's GEMM, which packs the
-    weights first. On the 2-core CI VM: a [576, 3072] matmul over 30 weight sets took
-    12 ms with 1 row against 59-70 ms with 16; SmolLM2 at batch 1, 68-84 ms per
-    decode step against 280-326 ms. Below 16 rows the GEMM's time still grows with
-    the rows, so the CPU's token buckets are every power of two from 1: SmolLM2
-    decode steps of 2 / 8 requests 72 / 79 ms in the 16 bucket, 45 / 59 ms in their
-    own. Accelerators pad small shapes anyway."""
+    weights first: a [576, 3072] matmul over 30 weight sets was ~5x faster with 1 row
+    than with 16, and SmolLM2's batch-1 decode step ~4x. Below 16 rows the GEMM's
+    time still grows with the rows, so the CPU's token buckets are every power of two
+    from 1 (SmolLM2 decode steps of 2 / 8 requests were 1.6x / 1.3x faster in their own
+    buckets than in the 16 one). Accelerators pad small shapes anyway."""
     sc, single = config.scheduler_config, platform == "cpu"
     tokens = BucketTable(config.token_buckets or default_buckets(
         1 if single else MIN_TOKEN_BUCKET, sc.max_num_batched_tokens, single=single))

@@ -2,8 +2,7 @@
 
 JAX's persistent compilation cache skips XLA's compile, but it is keyed by the
 lowered program, so every start still traces and lowers each of them: for the
-default model that was ~8 s of a ~10 s warm-up with every program in that cache
-(CI VM, 48 programs). This cache stores the engine's executables themselves
+default model that was most of a warm-up with every program in that cache. This cache stores the engine's executables themselves
 (``jax.experimental.serialize_executable``) under a fingerprint of everything that
 shapes them, and a start whose fingerprint matches loads them instead of warming up.
 

@@ -2,7 +2,7 @@
 
 A step used to put each of its ~20 input arrays on the device separately. Each
 transfer costs ~50-100 µs of host time whatever its size (a few hundred bytes to a
-few hundred KB), so the puts alone took 2-2.5 ms per step on the CI VM: the largest
+few hundred KB), so the puts alone took milliseconds per step: the largest
 piece of the host's time between a step's tokens coming back and the next step
 starting. Here the arrays of one program live at fixed offsets of one int32 buffer
 (the host writes them in place, as views, so packing copies nothing), the buffer
