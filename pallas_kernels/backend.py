@@ -79,12 +79,13 @@ def resolve_attention_spec(backend: str = "auto", platform: str | None = None, k
     runs the Pallas kernels interpreted. ValueError for a combination no kernel runs."""
     backend, plat = resolve_backend(backend, platform)
     kv_dtype = jnp.dtype(kv_dtype)
-    if kv_dtype.itemsize == 1 and plat == "tpu" and backend == "pallas":
-        raise ValueError("kv_cache_dtype=fp8 is not supported by the TPU attention kernel on hardware yet "
-                         "(it runs on GPU, on CPU and in interpret mode); use kv_cache_dtype=auto")
-    return AttentionSpec(backend=backend, platform=plat, kv_dtype=kv_dtype,
+    spec = AttentionSpec(backend=backend, platform=plat, kv_dtype=kv_dtype,
                          kv_storage_dtype=kv_storage_dtype(kv_dtype, plat, backend),
                          interpret=plat == "cpu" if interpret is None else interpret)
+    if spec.quantized_kv and plat == "tpu" and backend == "pallas":
+        raise ValueError("kv_cache_dtype=fp8 is not supported by the TPU attention kernel on hardware yet "
+                         "(it runs on GPU, on CPU and in interpret mode); use kv_cache_dtype=auto")
+    return spec
 
 
 def get_attention_fn(backend: str = "auto", platform: str | None = None, interpret=False):

@@ -6,8 +6,8 @@ their uint16 bit patterns (backend.resolve_attention_spec builds the spec).
 Why bit patterns: XLA:CPU has no bfloat16 dynamic-slice, gather or scatter (its float
 normalization widens them), so a bf16 array that the layer loop slices, gathers from or
 scatters into is widened to float32 whole, once per call, outside the loop: a bf16 KV
-cache cost 64.7 against 6.2 ms per layer for 64 decode rows, SmolLM2's stacked
-[30, 576, 1536] weight 36 against 9 ms for its 30 products. As uint16 the loop moves
+cache was ~10x slower per layer at 64 decode rows, SmolLM2's stacked [30, 576, 1536]
+weight ~4x slower over its 30 products. As uint16 the loop moves
 the bits, and only what it reads is bitcast back to bfloat16. No model or cache has
 uint16 values of its own, so the dtype alone says an array holds bit patterns; the
 native CPU kernel (csrc/) reads them itself.

@@ -32,12 +32,7 @@ from jaxserve.config import DEFAULT_ITERATION_TIMEOUT_S, EngineConfig
 from jaxserve.core.kv_cache_utils import PrefixCachingMetrics
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core import combine_stats
-from jaxserve.engine.exceptions import (  # noqa: F401  (StreamOverflowError: re-exported for callers)
-    EngineDeadError,
-    EngineOverloadedError,
-    EngineStepError,
-    StreamOverflowError,
-)
+from jaxserve.engine.exceptions import EngineDeadError, EngineOverloadedError, EngineStepError
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.request_stream import _ABORTED, RequestStream, deliver
 from jaxserve.engine.stats import EngineStats, FinishedRequestStats, IterationStats, RankStats, StatLogger

@@ -62,7 +62,7 @@ class CompilationManager:
         self.executables: dict[ProgramKey, jax.stages.Compiled] = {}
         # The buckets steps are padded to now: all of them, except during a background
         # warm-up (those compiled so far; a size takes the smallest of them that fits).
-        self.step_buckets: tuple[BucketTable, BucketTable] = (runner.token_buckets, runner.request_buckets)
+        self.ready_buckets: tuple[BucketTable, BucketTable] = (runner.token_buckets, runner.request_buckets)
         self.warmup_from_cache = False  # set by warmup(): the programs came from the executable cache
         self._thread: threading.Thread | None = None  # a background warm-up (warmup(background=True))
         self._stop = threading.Event()
@@ -120,7 +120,7 @@ class CompilationManager:
         rest = stages[1:]
         done, todo = ("loaded", "load") if w.blobs is not None else ("compiled", "compile")
         logger.info("Warm-up %s %d programs in %.1f s: serving steps of up to %d tokens while %d more %s in the "
-                    "background", done, len(stages[0]), dt, self.step_buckets[0].max, sum(map(len, rest)), todo)
+                    "background", done, len(stages[0]), dt, self.ready_buckets[0].max, sum(map(len, rest)), todo)
         self._thread = threading.Thread(target=self._warm_up_rest, args=(rest, w), name="jaxserve-warmup",
                                         daemon=True)
         # A process that exits meanwhile stops it first (a daemon thread frozen in the
@@ -141,9 +141,9 @@ class CompilationManager:
         if w.blobs is None:
             self._compile_stage(stage, desc)
         if len(self.executables) == w.num_programs:
-            self.step_buckets = (self.runner.token_buckets, self.runner.request_buckets)
+            self.ready_buckets = (self.runner.token_buckets, self.runner.request_buckets)
         else:
-            self.step_buckets = (
+            self.ready_buckets = (
                 BucketTable([k.num_tokens for k in self.executables if isinstance(k, ModelStepKey)]),
                 BucketTable([k.num_reqs for k in self.executables if isinstance(k, SampleKey)]))
 
@@ -157,7 +157,7 @@ class CompilationManager:
         except BaseException as e:  # the engine goes on serving with the stages it has
             # (unless the process is exiting: thread pools then refuse work)
             if not (isinstance(e, RuntimeError) and "interpreter shutdown" in str(e)):
-                logger.exception("Background warm-up failed; steps stay at most %d tokens", self.step_buckets[0].max)
+                logger.exception("Background warm-up failed; steps stay at most %d tokens", self.ready_buckets[0].max)
             return
         finally:
             jax.monitoring.unregister_event_listener(w.listener)

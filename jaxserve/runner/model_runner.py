@@ -165,7 +165,7 @@ class ModelRunner:
         """The most tokens a step may hold now: all of them, except during a background
         warm-up (the largest step compiled so far; the engine caps its schedulers' token
         budgets at it)."""
-        return self.compilation.step_buckets[0].max
+        return self.compilation.ready_buckets[0].max
 
     # ------------------------------------------------------------------ compilation (CompilationManager)
     def warmup(self, *, background: bool = False) -> float:
@@ -312,11 +312,10 @@ class ModelRunner:
             i = ib.req_id_to_index[req_id]
             ib.token_ids[i, ib.num_tokens[i]:ib.num_tokens[i] + len(drafts)] = drafts
 
-
     def _prepare_inputs(self, outputs: list[SchedulerOutput]) -> PreparedStep:
         """The step's padded host arrays (numpy; nothing touches the device here), in
         the buckets compiled so far (StepInputBuilder.prepare)."""
-        return self._step_inputs.prepare(outputs, *self.compilation.step_buckets)
+        return self._step_inputs.prepare(outputs, *self.compilation.ready_buckets)
 
     def _dispatch(self, step: PreparedStep):
         """Start the step's programs: one device_put of the two packed buffers (and of the

@@ -237,7 +237,7 @@ def test_late_close_of_an_aborted_stream_spares_the_reused_id(tiny_async_llm):
 def test_abort_keeps_outputs_queued_before_it():
     """Outputs the engine queued before abort() reach the caller, including a choice's
     finish; only the choices still open end with "abort"."""
-    from jaxserve.engine.async_llm import _ABORTED, RequestStream
+    from jaxserve.engine.request_stream import _ABORTED, RequestStream
     from jaxserve.outputs import CompletionOutput, RequestOutput
 
     def out(index, tokens, finish=None):

@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from jaxserve.engine.arg_utils import EngineArgs
-from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.engine.exceptions import EngineDeadError
 from jaxserve.sampling_params import SamplingParams
 from server.app import build_app
 from tests.server.harness import TINY_ENGINE_ARGS, RunningServer, wait_until

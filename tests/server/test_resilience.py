@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jaxserve.engine.async_llm import StreamOverflowError
+from jaxserve.engine.exceptions import StreamOverflowError
 from jaxserve.engine.fault_injection import ENV_VAR, FaultInjector
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from server.app import build_app
