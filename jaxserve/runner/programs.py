@@ -25,7 +25,7 @@ from jaxserve.runner.kv_cache import kv_cache_sharding
 from jaxserve.runner.packed_inputs import PackedLayout
 from jaxserve.runner.program_key import ModelStepKey, ProgramKey, PromptLogprobsKey, SampleKey, VerifyKey
 from jaxserve.sample.rejection_sampler import rejection_sample
-from jaxserve.sample.sampler import compute_logprobs, sample
+from jaxserve.sample.sampler import compute_logprobs, sample_from
 from pallas_kernels.attention_metadata import AttentionMetadata
 
 
@@ -68,10 +68,10 @@ def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, r
     def sample_step(state, hidden_last, packed, history, bitmask, *, layout, num_reqs, use_penalties):
         """flags: [DP*2], (greedy_only, plain) of the whole step once per rank."""
         smd, (flags,) = sampling_metadata(layout, packed, history, bitmask)
-        logits = nnx.merge(graphdef, state).compute_logits(per_rank_rows(hidden_last, num_reqs))
+        model, hidden = nnx.merge(graphdef, state), per_rank_rows(hidden_last, num_reqs)
         flags = flags.reshape(dp, 2) != 0
-        return sample(logits, smd, greedy_only=jnp.all(flags[:, 0]), use_penalties=use_penalties,
-                      num_logprobs=max_logprobs, plain=jnp.all(flags[:, 1]))
+        return sample_from(lambda: model.compute_logits(hidden), smd, greedy_only=jnp.all(flags[:, 0]),
+                           use_penalties=use_penalties, num_logprobs=max_logprobs, plain=jnp.all(flags[:, 1]))
 
     def verify_step(state, hidden_last, packed, history, bitmask, *, layout, num_reqs, greedy_only, use_penalties):
         smd, (draft_token_ids, num_draft_tokens) = sampling_metadata(layout, packed, history, bitmask)

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from jaxserve.sample.metadata import SamplingMetadata
-from jaxserve.sample.sampler import ARGMAX_CHUNK, apply_penalties, apply_top_k_top_p_min_p, argmax_ids, sample
+from jaxserve.sample.sampler import (ARGMAX_CHUNK, CDF_CHUNK, apply_penalties, apply_top_k_top_p_min_p, argmax_ids,
+                                     inverse_cdf_draw, sample, sample_from)
 
 V = 64
 
@@ -246,3 +247,54 @@ def test_plain_variant_samples_the_same_tokens():
             plain = sample(logits, md, greedy_only=greedy, use_penalties=pen, num_logprobs=3, plain=True)
             np.testing.assert_array_equal(np.asarray(plain[0]), np.asarray(full[0]))
             assert plain[1].shape == (r, 1) and full[1].shape == (r, 4)
+
+
+@pytest.mark.parametrize("v", [CDF_CHUNK * 4, CDF_CHUNK * 4 + 45, 100])
+def test_inverse_cdf_draw_is_the_full_running_total(v):
+    """The two-level draw (chunk totals, then inside the picked chunk) picks what one
+    running total over the whole vocabulary picks: the first token whose running total
+    reaches u * total. Never a zero-weight token: not at u = 1 (rounding in the chunk
+    totals), not in the padded tail, not in a row with a single allowed token."""
+    rng = np.random.default_rng(v)
+    w = rng.random((16, v)).astype(np.float32) * (rng.random((16, v)) < 0.3)
+    w[0] = 0.0
+    w[0, v - 1] = 2.0  # the only allowed token is the last one
+    w[1] = 0.0
+    w[1, 3] = 1.0
+    w[2, : v // 2] = 0.0  # the first half is masked
+    u = rng.random(16).astype(np.float32)
+    u[[0, 1, 2, 3]] = 1.0
+    u[4] = 1e-9
+    got = np.asarray(jax.jit(inverse_cdf_draw)(jnp.asarray(w), jnp.asarray(u)))
+    cdf = np.cumsum(w.astype(np.float64), axis=-1)
+    want = np.minimum((cdf < (u[:, None] * cdf[:, -1:])).sum(-1), v - 1)
+    assert (w[np.arange(16), got] > 0).all()
+    assert got[0] == v - 1 and got[1] == 3
+    # float32 chunk totals against a float64 running total: equal except where u lands on
+    # a boundary within rounding.
+    close = np.abs(cdf[np.arange(16), want] - u * cdf[:, -1]) > 1e-4 * cdf[:, -1]
+    np.testing.assert_array_equal(got[close], want[close])
+
+
+def test_sample_from_fast_path_matches_sample():
+    """sample_from (the lm_head inside the sampler's branches, and lm_head + argmax alone
+    for a greedy, plain step without bans) gives sample's outputs: greedy plain, greedy
+    with a min_tokens ban (the general path), random rows, logprobs wanted."""
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.standard_normal((4, V)) * 3, jnp.float32)
+    top = int(np.argmax(np.asarray(logits)[0]))
+    cases = [(md(4, temperature=np.zeros(4, np.float32)), True, True),
+             (md(4, temperature=np.zeros(4, np.float32), stop_ids_masked=[[top, -1, -1, -1]] + [[-1] * 4] * 3),
+              True, True),
+             (md(4, temperature=[0.0, 1.0, 0.7, 1.0], top_p=[1.0, 1.0, 0.9, 1.0]), False, True),
+             (md(4, temperature=[1.0, 1.0, 1.0, 1.0]), False, False),
+             (md(4, temperature=np.zeros(4, np.float32)), True, False)]
+    f = jax.jit(lambda lg, m, g, p: sample_from(lambda: lg, m, greedy_only=g, use_penalties=False, num_logprobs=2,
+                                                 plain=p))
+    for m, greedy, plain in cases:
+        want = sample(logits, m, greedy_only=greedy, use_penalties=False, num_logprobs=2, plain=jnp.asarray(plain))
+        got = f(logits, m, jnp.asarray(greedy), jnp.asarray(plain))
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    banned = f(logits, cases[1][0], jnp.asarray(True), jnp.asarray(True))[0]
+    assert int(banned[0]) != top
