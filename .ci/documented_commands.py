@@ -37,10 +37,10 @@ COMMANDS: list[tuple[str, str, int, str]] = [
     ("one directory", ".venv/bin/pytest -q tests/server", 900, r"\d+ passed"),
     ("some tests of a file", ".venv/bin/pytest -q tests/core/test_scheduler.py -k preempt", 300, r"\d+ passed"),
     ("capacity_plan", f"{PY} benchmarks/capacity_plan.py", 120, r"\S"),
-    ("bench_throughput", f"{PY} benchmarks/bench_throughput.py --num-prompts 4 --input-len 16 --output-len 4",
-     600, r"Throughput: .* output tokens/s"),
+    ("bench_throughput", f"{PY} benchmarks/bench_throughput.py --num-prompts 4 --input-len 16 --output-len 4 "
+     f"--also-dtype float32 --plot {TMP}/throughput.png", 600, r"(?s)Throughput: .* output tokens/s.*chart: "),
     ("bench_serving", f"{PY} benchmarks/bench_serving.py --launch --max-concurrency 1 2 --num-prompts 2 4 "
-     "--input-len 16 --output-len 4", 600, r"(?i)ttft"),
+     f"--input-len 16 --output-len 4 --plot {TMP}/serving.png", 600, r"(?is)ttft.*chart: "),
     ("bench_kernels", f"{PY} benchmarks/bench_kernels.py --small --iters 1", 600, r"\S"),
     ("profile_step", f"{PY} benchmarks/profile_step.py --batch 2 --steps 2", 600, r"\S"),
     # The two-process example of docs/scale_out.md, as written, then one request and Ctrl-C.

@@ -36,6 +36,40 @@ def chat_prompts() -> list[list[dict]]:
     return [[{"role": "user", "content": ask.format(s)}] for s in SUBJECTS for ask in ASKS]  # 64
 
 
+def agreement(ref, other) -> tuple[int, float, float]:
+    """(identical outputs, mean common prefix, mean |logprob diff| of the reference's
+    tokens over the common prefix); each output is (token ids, their logprobs)."""
+    same, prefix, lp_err = 0, [], []
+    for (a_ids, a_lps), (b_ids, b_lps) in zip(ref, other):
+        a_ids, b_ids = list(a_ids), list(b_ids)
+        n = 0
+        while n < min(len(a_ids), len(b_ids)) and a_ids[n] == b_ids[n]:
+            n += 1
+        same += a_ids == b_ids
+        prefix.append(n)
+        lp_err += [abs(a_lps[i] - b_lps[i]) for i in range(n)]
+    return same, float(np.mean(prefix)), float(np.mean(lp_err)) if lp_err else 0.0
+
+
+def run_peer_greedy(args, prompts: list[list[int]], dtype: str) -> dict:
+    """vLLM's greedy outputs (EOS respected, --max-tokens) on these prompt tokens, in its
+    own Python (peer_throughput.py --greedy)."""
+    import json
+    import subprocess
+    import tempfile
+
+    from models.default_model import default_model_dir
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([list(p) for p in prompts], f)
+    cmd = [args.peer_python, str(Path(__file__).with_name("peer_throughput.py")), "--engine", args.peer, "--model",
+           args.model or str(default_model_dir()), "--prompts", f.name, "--output-len", str(args.max_tokens),
+           "--dtype", dtype, "--greedy"]
+    print(f"Running the peer: {' '.join(cmd)}", flush=True)
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(next(line for line in out.splitlines() if line.startswith('{"engine"')))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", nargs="+", default=["float32:none", "bfloat16:none", "float32:int8"],
@@ -44,6 +78,12 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--peer", choices=("vllm",), default=None,
+                    help="also measure vLLM's agreement with the reference (the first variant), on the same "
+                         "prompt tokens, once per --peer-dtypes")
+    ap.add_argument("--peer-python", default=sys.executable, help="the Python of the peer's environment")
+    ap.add_argument("--peer-dtypes", nargs="+", default=["auto", "float32"],
+                    help="the peer's dtypes (auto: its own default, bfloat16 for vLLM on an x86 CPU)")
     # The engine's flags; each variant sets the dtypes and the quantization.
     args, engine_args = parse_engine_args(ap, fixed=("dtype", "quantization", "weight_dtype", "kv_cache_dtype"),
                                           max_model_len=512)
@@ -66,7 +106,8 @@ def main() -> None:
         variant += (f" (weights {np.dtype(runner.param_dtype).name}, activations {np.dtype(runner.dtype).name}, "
                     f"KV {np.dtype(runner.kv_dtype).name})")
         startup = time.perf_counter() - t0
-        outs = [o.outputs[0] for o in llm.chat(chat_prompts(), greedy, use_tqdm=False)]
+        results = llm.chat(chat_prompts(), greedy, use_tqdm=False)
+        outs = [o.outputs[0] for o in results]
         rng = np.random.default_rng(0)
         prompts = [{"prompt_token_ids": rng.integers(100, llm.llm_engine.vocab_size, args.input_len).tolist()}
                    for _ in range(args.num_prompts)]
@@ -75,21 +116,21 @@ def main() -> None:
         done = llm.generate(prompts, sp, use_tqdm=False)
         tput = sum(len(o.outputs[0].token_ids) for o in done) / (time.perf_counter() - t0)
         if ref is None:
-            ref = outs
-        same, prefix, lp_err = 0, [], []
-        for a, b in zip(ref, outs):
-            n = 0
-            while n < min(len(a.token_ids), len(b.token_ids)) and a.token_ids[n] == b.token_ids[n]:
-                n += 1
-            same += a.token_ids == b.token_ids
-            prefix.append(n)
-            lp_err += [abs(a.logprobs[i][a.token_ids[i]].logprob - b.logprobs[i][b.token_ids[i]].logprob)
-                       for i in range(n)]
-        rows.append((variant, startup, tput, same, float(np.mean(prefix)), float(np.mean(lp_err)) if lp_err else 0.0))
-        print(f"{variant}: startup {startup:.1f} s, {tput:.1f} output tok/s, identical {same}/{len(outs)}, "
-              f"common prefix {np.mean(prefix):.1f}/{args.max_tokens}, mean |dlogprob| {rows[-1][-1]:.4f}",
+            ref_prompts = [list(o.prompt_token_ids) for o in results]  # the peer gets the same tokens
+            ref = [(o.token_ids, [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)]) for o in outs]
+        mine = [(o.token_ids, [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)]) for o in outs]
+        rows.append((variant, startup, tput, *agreement(ref, mine)))
+        print(f"{variant}: startup {startup:.1f} s, {tput:.1f} output tok/s, identical {rows[-1][3]}/{len(outs)}, "
+              f"common prefix {rows[-1][4]:.1f}/{args.max_tokens}, mean |dlogprob| {rows[-1][-1]:.4f}",
               flush=True)
         del llm
+    for dtype in (args.peer_dtypes if args.peer else []):
+        peer = run_peer_greedy(args, ref_prompts, dtype)
+        mine = [(o["ids"], o["logprobs"]) for o in peer["outputs"]]
+        rows.append((f"vLLM {peer['version']} --dtype {dtype} ({peer['dtype']})", 0.0, float("nan"),
+                     *agreement(ref, mine)))
+        print(f"{rows[-1][0]}: identical {rows[-1][3]}/{len(mine)}, common prefix {rows[-1][4]:.1f}, "
+              f"mean |dlogprob| {rows[-1][-1]:.4f}", flush=True)
     print("\n| weights | output tok/s | greedy outputs identical to the first | mean common prefix | "
           "mean abs logprob diff |")
     print("|---|---|---|---|---|")

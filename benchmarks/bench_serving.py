@@ -294,14 +294,15 @@ def _shared_server_args(args) -> list[str]:
 
 def launch_peer(args) -> tuple[subprocess.Popen, str]:
     """`vllm serve` (its OpenAI server module) from the peer's Python on the model we serve,
-    f32, seed 0, with the CPU build's KV space and thread binding (set unless given)."""
+    in --peer-dtype (its own default unless given), seed 0, with the CPU build's KV space
+    and thread binding (set unless given)."""
     sys.path.insert(0, str(REPO))
     from models.default_model import default_model_dir
 
     port = _free_port()
     model = args.model or str(default_model_dir())
     cmd = [args.peer_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--seed", "0", "--uvicorn-log-level", "warning",
+           "--port", str(port), "--dtype", args.peer_dtype, "--seed", "0", "--uvicorn-log-level", "warning",
            *_shared_server_args(args)]
     cmd += args.peer_args.split() if args.peer_args else []
     env = dict(os.environ)
@@ -351,6 +352,11 @@ def main(argv=None) -> None:
                    help="first launch this engine's server (vLLM: its OpenAI server, CPU build) on the same model "
                         "and run every concurrency against it, then ours (launched): both and the ratios")
     p.add_argument("--peer-python", default=sys.executable, help="the Python of the peer's environment")
+    p.add_argument("--peer-dtype", default="auto",
+                   help="the peer's --dtype: auto (default: its own, bfloat16 for vLLM on an x86 CPU), float32 "
+                        "(like for like) or bfloat16")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also draw output tok/s and TPOT p50 against concurrency, each engine a line (matplotlib)")
     p.add_argument("--peer-args", default="", help="extra arguments for the peer's server (one string)")
     p.add_argument("--max-model-len", type=int, default=1024, help="with --peer: both servers' context limit "
                                                                    "(and max-num-seqs = the largest concurrency)")
@@ -375,6 +381,15 @@ def main(argv=None) -> None:
             ratio = r["output_throughput"] / r_peer["output_throughput"] if r_peer["output_throughput"] else float("nan")
             print(f"concurrency {r['max_concurrency']}: jaxserve / {args.peer} output tok/s {ratio:.2f}x")
         print(machine_line())
+    if args.plot:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from common import plot_lines
+
+        series = {"jaxserve": ours} | ({f"{args.peer} --dtype {args.peer_dtype}": peer} if peer else {})
+        plot_lines(args.plot, {name: [(r["max_concurrency"] or r["completed"], r["output_throughput"], r["median_tpot_ms"])
+                                      for r in runs] for name, runs in series.items()},
+                   title=f"{args.input_len} tokens in, {args.output_len} out; {machine_line()}")
+        print(f"chart: {args.plot}")
     if args.save_result:
         Path(args.save_result).write_text(json.dumps({"jaxserve": ours, "peer": peer} if peer else ours, indent=1))
 

@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import commit_line, engine_kwargs, machine_line, parse_engine_args  # noqa: E402
+from common import commit_line, cpu_line, engine_kwargs, machine_line, parse_engine_args, plot_bars  # noqa: E402
 
 
 def main() -> None:
@@ -38,8 +38,14 @@ def main() -> None:
     ap.add_argument("--peer-python", nargs="+", default=[],
                     help="the Python of the peers' environment: one path for all, or ENGINE=PATH each "
                          "(default: this Python)")
-    ap.add_argument("--peer-dtype", default="float32",
-                    help="the peers' dtype (vLLM, HF): float32 (default) or bfloat16")
+    ap.add_argument("--peer-dtype", nargs="+", default=["auto"],
+                    help="the peers' dtypes (vLLM, HF), one run of each peer per value: auto (default: each "
+                         "engine's own default, which for vLLM on an x86 CPU is bfloat16 even for a float32 "
+                         "checkpoint; the comparison a user makes), float32 (like for like) or bfloat16")
+    ap.add_argument("--also-dtype", nargs="+", default=[],
+                    help="after jaxserve at --dtype, run it again at each of these dtypes (a row each)")
+    ap.add_argument("--plot", default=None, metavar="FILE.png",
+                    help="also draw the table's output tok/s as a bar chart (matplotlib)")
     ap.add_argument("--peer-model", default=None,
                     help="the peer's model (default: the same HF folder; llamacpp: the default model's GGUF file)")
     ap.add_argument("--output-len", type=int, default=64)
@@ -49,17 +55,46 @@ def main() -> None:
     # The engine's flags (EngineArgs); --seed also draws the prompts, --max-model-len bounds them.
     args, engine_args = parse_engine_args(ap, max_model_len=1024)
 
-    from jaxserve import LLM, SamplingParams
-
     from models.default_model import default_model_dir
 
     model_dir = Path(engine_args.model) if engine_args.model else default_model_dir()
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     token_prompts = make_prompts(args, vocab)
     # First, so that the peers' start-up and runs share nothing with ours.
-    peers = [run_peer(args, name, model_dir, token_prompts) for name in args.peer]
+    peers = [run_peer(args, name, model_dir, token_prompts, dtype) for name in args.peer
+             for dtype in (args.peer_dtype if name != "llamacpp" else ["auto"])]
+    rows = [run_jaxserve(args, engine_args, model_dir, token_prompts, dtype)
+            for dtype in [engine_args.dtype, *args.also_dtype]]
+    ours = rows[0]["output_tokens_per_s"]
+    if peers or len(rows) > 1:
+        print("\n| engine | output tok/s | tokens in s | start-up (s) | first row / engine |")
+        print("|---|---|---|---|---|")
+        for row in rows + peers:
+            ratio = "" if row is rows[0] else f"{ours / row['output_tokens_per_s']:.2f}x"
+            print(f"| {row['label']} | {row['output_tokens_per_s']:.2f} | {row['output_tokens']} in "
+                  f"{row['elapsed_s']:.1f} | {row['startup_s']:.1f} | {ratio} |")
+    if args.plot:
+        plot_bars(args.plot, [r["label"] for r in rows + peers], [r["output_tokens_per_s"] for r in rows + peers],
+                  ylabel="output tokens/s",
+                  title=f"{len(token_prompts)} prompts of {min(map(len, token_prompts))}-"
+                        f"{max(map(len, token_prompts))} tokens, {args.output_len} out; {cpu_line()}")
+        print(f"chart: {args.plot}")
+    if args.output_json:
+        r = rows[0]
+        total = r["prompt_tokens"] + r["output_tokens"]
+        Path(args.output_json).write_text(json.dumps({
+            "elapsed_time": r["elapsed_s"], "num_requests": len(token_prompts), "total_num_tokens": total,
+            "requests_per_second": len(token_prompts) / r["elapsed_s"], "tokens_per_second": total / r["elapsed_s"],
+        }, indent=2))
+
+
+def run_jaxserve(args, engine_args, model_dir: Path, token_prompts: list[list[int]], dtype: str) -> dict:
+    """One LLM.generate over the prompts with the engine at ``dtype``; prints its report."""
+    from jaxserve import LLM, SamplingParams
+
     t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(engine_args, model=str(model_dir)), compilation_cache=not args.no_compilation_cache)
+    llm = LLM(**engine_kwargs(engine_args, model=str(model_dir), dtype=dtype),
+              compilation_cache=not args.no_compilation_cache)
     startup = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": p} for p in token_prompts]
     sp = SamplingParams(temperature=args.temperature, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
@@ -72,10 +107,10 @@ def main() -> None:
     print(machine_line())
     print(commit_line())
     runner = llm.llm_engine.model_runner
-    print(f"dtype {args.dtype} (activations {np.dtype(runner.dtype).name}, matmul weights "
-          f"{np.dtype(runner.param_dtype).name}), peers' dtype {args.peer_dtype}, "
-          f"quantization {args.quantization}, kv cache {args.kv_cache_dtype}, "
-          f"attention {runner.attention_backend}, "
+    kinds = (f"activations {np.dtype(runner.dtype).name}, matmul weights {np.dtype(runner.param_dtype).name}, "
+             f"KV {np.dtype(runner.kv_dtype).name}")
+    print(f"dtype {dtype} ({kinds}), peers' dtypes {' '.join(args.peer_dtype)}, "
+          f"quantization {args.quantization}, attention {runner.attention_backend}, "
           f"scan_layers {args.scan_layers}, async scheduling {args.async_scheduling}, prompts {len(token_prompts)} of "
           f"{min(map(len, token_prompts))}-{max(map(len, token_prompts))} tokens, output {args.output_len}")
     print(f"startup (load + warm-up): {startup:.1f} s; warm-up {llm.llm_engine.warmup_seconds:.1f} s, "
@@ -84,20 +119,9 @@ def main() -> None:
           f"{output_tokens / elapsed:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {prompt_tokens}")
     print(f"Total num output tokens:  {output_tokens}")
-    if peers:
-        ours = output_tokens / elapsed
-        print("\n| engine | output tok/s | tokens in s | start-up (s) | jaxserve / engine |")
-        print("|---|---|---|---|---|")
-        print(f"| jaxserve | {ours:.2f} | {output_tokens} in {elapsed:.1f} | {startup:.1f} | |")
-        for peer in peers:
-            print(f"| {peer['engine']} {peer['version']} | {peer['output_tokens_per_s']:.2f} | "
-                  f"{peer['output_tokens']} in {peer['elapsed_s']:.1f} | {peer['startup_s']:.1f} | "
-                  f"{ours / peer['output_tokens_per_s']:.2f}x |")
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps({
-            "elapsed_time": elapsed, "num_requests": len(outs), "total_num_tokens": total,
-            "requests_per_second": len(outs) / elapsed, "tokens_per_second": total / elapsed,
-        }, indent=2))
+    return {"label": f"jaxserve --dtype {dtype} ({kinds})", "output_tokens_per_s": output_tokens / elapsed,
+            "output_tokens": output_tokens, "prompt_tokens": prompt_tokens, "elapsed_s": elapsed,
+            "startup_s": startup}
 
 
 def make_prompts(args, vocab: int) -> list[list[int]]:
@@ -118,8 +142,8 @@ def peer_python(args, name: str) -> str:
     return named.get(name) or (plain[0] if plain else sys.executable)
 
 
-def run_peer(args, name: str, model_dir: Path, prompts: list[list[int]]) -> dict:
-    """The peer ``name`` on the same prompts, in its own process and environment."""
+def run_peer(args, name: str, model_dir: Path, prompts: list[list[int]], dtype: str) -> dict:
+    """The peer ``name`` at ``dtype`` on the same prompts, in its own process and environment."""
     import subprocess
     import tempfile
 
@@ -131,11 +155,12 @@ def run_peer(args, name: str, model_dir: Path, prompts: list[list[int]]) -> dict
     cmd = [peer_python(args, name), str(Path(__file__).with_name("peer_throughput.py")), "--engine", name,
            "--model", model, "--prompts", f.name, "--output-len", str(args.output_len),
            "--batch-size", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-           "--dtype", args.peer_dtype]
+           "--dtype", dtype]
     print(f"Running the peer: {' '.join(cmd)}", flush=True)
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
     # The peer's own logs share stdout (vLLM logs its shutdown after our line).
-    return json.loads(next(line for line in out.splitlines() if line.startswith('{"engine"')))
+    row = json.loads(next(line for line in out.splitlines() if line.startswith('{"engine"')))
+    return row | {"label": f"{name} {row['version']}" + ("" if name == "llamacpp" else f" --dtype {dtype}")}
 
 
 if __name__ == "__main__":

@@ -83,3 +83,49 @@ def parse_engine_args(parser: argparse.ArgumentParser, argv=None, *, fixed: tupl
 def engine_kwargs(engine_args: EngineArgs, **overrides) -> dict:
     """LLM(**kwargs) for ``engine_args`` with ``overrides`` (EngineArgs fields) applied."""
     return dataclasses.asdict(dataclasses.replace(engine_args, **overrides))
+
+
+def plot_bars(path: str, labels: list[str], values: list[float], *, ylabel: str, title: str) -> None:
+    """One bar per engine (--plot of bench_throughput.py), written to ``path`` (PNG)."""
+    import textwrap
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels)), 4.5))
+    bars = ax.bar(range(len(labels)), values, color=["tab:blue" if lb.startswith("jaxserve") else "tab:gray"
+                                                     for lb in labels])
+    ax.bar_label(bars, fmt="%.0f")
+    ax.set_xticks(range(len(labels)), [textwrap.fill(lb, 30) for lb in labels], fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_lines(path: str, series: dict[str, list[tuple[float, float, float]]], *, title: str) -> None:
+    """bench_serving.py --plot: for each engine its (concurrency, output tok/s, TPOT p50 ms)
+    points, as two panels against concurrency, written to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    for name, points in series.items():
+        xs = [p[0] for p in points]
+        left.plot(xs, [p[1] for p in points], marker="o", label=name)
+        right.plot(xs, [p[2] for p in points], marker="o", label=name)
+    for ax, ylabel in ((left, "output tokens/s"), (right, "TPOT p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -4,7 +4,8 @@ from jaxserve).
 
     python benchmarks/peer_throughput.py --engine vllm --model DIR --prompts prompts.json --output-len 64
 
-Prints one JSON line: engine, version, startup_s, elapsed_s, prompt/output token counts.
+Prints one JSON line: engine, version, startup_s, elapsed_s, prompt/output token counts
+(with --greedy, vllm: each prompt's greedy output ids and logprobs instead).
 Every engine: greedy, EOS ignored, exactly --output-len new tokens per prompt.
   vllm:     vllm.LLM (the CPU build: VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND), one generate call.
   hf:       transformers generate, left-padded batches of --batch-size, torch CPU.
@@ -35,13 +36,36 @@ def run_vllm(args, prompts):
     return vllm.__version__, startup, elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+def run_vllm_greedy(args, prompts):
+    """--greedy: each prompt's greedy output (EOS respected) with its tokens' logprobs, for
+    agreement with a reference (bench_quantization.py --peer)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0,
+              max_num_seqs=args.batch_size)
+    sp = SamplingParams(temperature=0, max_tokens=args.output_len, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    results = []
+    for o in outs:
+        c = o.outputs[0]
+        ids = list(c.token_ids)
+        results.append({"ids": ids, "logprobs": [float(c.logprobs[i][t].logprob) for i, t in enumerate(ids)]})
+    return {"engine": "vllm", "version": vllm.__version__, "dtype": str(llm.llm_engine.model_config.dtype),
+            "outputs": results}
+
+
 def run_hf(args, prompts):
     import torch
     import transformers
 
     torch.set_num_threads(os.cpu_count())
     t0 = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=getattr(torch, args.dtype))
+    # auto: the checkpoint's dtype (transformers' own default).
+    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     model.eval()
     startup = time.perf_counter() - t0
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
@@ -87,10 +111,17 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="auto: the engine's own default")
+    ap.add_argument("--greedy", action="store_true",
+                    help="vllm only: print each prompt's greedy output and its logprobs instead of timing")
     args = ap.parse_args()
     with open(args.prompts) as f:
         prompts = json.load(f)
+    if args.greedy:
+        if args.engine != "vllm":
+            raise SystemExit("--greedy is implemented for --engine vllm")
+        print(json.dumps(run_vllm_greedy(args, prompts)))
+        return
     runner = {"vllm": run_vllm, "hf": run_hf, "llamacpp": run_llamacpp}[args.engine]
     version, startup, elapsed, produced = runner(args, prompts)
     print(json.dumps({"engine": args.engine, "version": version, "startup_s": startup, "elapsed_s": elapsed,
