@@ -16,6 +16,8 @@ shared-expert gate.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import re
@@ -29,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from models.base import Weight, dim_size
 from models.config import ModelArchConfig
 from models.sharding import checkpoint_arch, source_indices
+from pallas_kernels import cpu_matmul
 from pallas_kernels.storage import from_bf16_bits, to_bf16_bits
 
 QUANTIZATION_METHODS = ("int8", "fp8")
@@ -119,6 +122,21 @@ def quantizer(weight_map: dict[str, Weight], mesh: Mesh, method: str = "int8"):
 
 
 _NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Whether matmul may use the native CPU kernel for small products (pallas_kernels/cpu_matmul.py),
+# set by whoever traces the model's programs (they know the mesh; the kernel is not partitioned).
+_NATIVE_PRODUCTS = contextvars.ContextVar("native_products", default=False)
+
+
+@contextlib.contextmanager
+def native_products(enabled: bool):
+    """While tracing inside, ``matmul`` sends float32 x bf16 products of few rows to the
+    native CPU kernel when ``enabled`` (a CPU with AVX512-BF16, one device)."""
+    token = _NATIVE_PRODUCTS.set(enabled)
+    try:
+        yield
+    finally:
+        _NATIVE_PRODUCTS.reset(token)
+
 
 
 def matmul(x, w, *, transposed: bool = False):
@@ -134,6 +152,10 @@ def matmul(x, w, *, transposed: bool = False):
     [64, 576] x [49152, 576]: ~10x slower)."""
     if x.dtype not in _NARROW and w.dtype not in _NARROW:
         return x @ (w.T if transposed else w)
+    if _NATIVE_PRODUCTS.get() and cpu_matmul.takes(x, w, transposed):
+        # The same product (x rounded to bf16, float32 accumulation), 1.3-3x XLA's rate at
+        # decode sizes on a 2-core CPU (pallas_kernels/cpu_matmul.py).
+        return cpu_matmul.matmul_bf16(x, w)
     low = w.dtype if w.dtype in _NARROW else x.dtype
     xs = x
     one_row = math.prod(x.shape[:-1]) == 1 and jax.default_backend() == "cpu"

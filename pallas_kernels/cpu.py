@@ -75,14 +75,21 @@ def _compiler_version(cxx: str) -> str:
 def library_path() -> pathlib.Path | None:
     """The compiled kernel for this machine, built now if missing (None: no compiler, or
     the build failed; the reason is logged)."""
+    return build_library(SOURCE, "rpa_cpu", "the CPU attention kernel", "falling back to the reference kernel")
+
+
+def build_library(source: pathlib.Path, stem: str, what: str, fallback: str) -> pathlib.Path | None:
+    """``source`` compiled into a shared library for this machine, in the cache (built now
+    if missing; None: no compiler, or the build failed, logged with ``fallback``, what the
+    caller does instead)."""
     cxx = _compiler()
     if cxx is None:
-        logger.warning("no C++ compiler found (set CXX): CPU attention falls back to the reference kernel")
+        logger.warning("no C++ compiler found (set CXX) for %s: %s", what, fallback)
         return None
     include = jax.ffi.include_dir()
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, _compiler_version(cxx), " ".join(_FLAGS), include,
+    key = hashlib.sha256("\0".join([source.read_text(), cxx, _compiler_version(cxx), " ".join(_FLAGS), include,
                                     jax.__version__, " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:20]
-    out = _cache_dir() / f"rpa_cpu_{key}.so"
+    out = _cache_dir() / f"{stem}_{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -90,8 +97,8 @@ def library_path() -> pathlib.Path | None:
     # servers) each produce a whole file, and the last rename wins.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *_FLAGS, "-isystem", include, str(SOURCE), "-o", tmp]
-    print(f"jaxserve: compiling the CPU attention kernel ({pathlib.Path(cxx).name})...", file=sys.stderr, flush=True)
+    cmd = [cxx, *_FLAGS, "-isystem", include, str(source), "-o", tmp]
+    print(f"jaxserve: compiling {what} ({pathlib.Path(cxx).name})...", file=sys.stderr, flush=True)
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.SubprocessError) as e:
@@ -101,8 +108,7 @@ def library_path() -> pathlib.Path | None:
         err = res.stderr[-2000:]
     if res is None or res.returncode != 0:
         os.unlink(tmp)
-        logger.warning("building the CPU attention kernel failed (%s): falling back to the reference kernel\n%s",
-                       " ".join(cmd), err)
+        logger.warning("building %s failed (%s): %s\n%s", what, " ".join(cmd), fallback, err)
         return None
     os.replace(tmp, out)
     return out

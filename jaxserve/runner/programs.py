@@ -11,6 +11,7 @@ the mesh's 'data' axis, so the program count does not grow with the ranks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -26,6 +27,8 @@ from jaxserve.runner.packed_inputs import PackedLayout
 from jaxserve.runner.program_key import ModelStepKey, ProgramKey, PromptLogprobsKey, SampleKey, VerifyKey
 from jaxserve.sample.rejection_sampler import rejection_sample
 from jaxserve.sample.sampler import compute_logprobs, sample_from
+from models.quantization import native_products
+from pallas_kernels import cpu_matmul
 from pallas_kernels.attention_metadata import AttentionMetadata
 
 
@@ -37,6 +40,17 @@ def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, r
     request with k speculative tokens, else 1; ``dp``: the data-parallel ranks."""
     s = rows_per_req
     rows_sharding, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    # Small bf16 products through the native CPU kernel: on one device only (a custom
+    # call is not partitioned), where the CPU multiplies bf16 natively.
+    native = mesh.size == 1 and cpu_matmul.enabled()
+
+    def products(fn):
+        """fn traced with ``native`` products (models.quantization.native_products)."""
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            with native_products(native):
+                return fn(*args, **kwargs)
+        return traced
 
     def per_rank_rows(x, rows, all_positions=False):
         """x [DP*Rmax*S, H] (S rows per request) -> each rank's first ``rows``
@@ -88,6 +102,8 @@ def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, r
     # returns an equivalent but differently spelled spec (P() instead of
     # P(None, 'data', None, 'model', None)), and the next call of a bucket compiled
     # with the old spelling lowers it again.
+    model_step, sample_step, verify_step, prompt_logprobs_step = map(
+        products, (model_step, sample_step, verify_step, prompt_logprobs_step))
     return {
         ModelStepKey: jax.jit(model_step, donate_argnums=(1,), static_argnames=("layout",),
                               out_shardings=(None, None, kv_cache_sharding(mesh))),

@@ -1,0 +1,84 @@
+"""bf16 products of a few rows on a CPU with AVX512-BF16, as native code: an XLA FFI
+custom call (csrc/bf16_matmul_cpu.cc).
+
+``models.quantization.matmul`` multiplies float32 activations by bf16 weights (the
+default on such a CPU): x rounded to bf16, float32 accumulation. XLA:CPU runs that
+product well at prefill sizes but at 64 rows and fewer (decode) one core does most of
+it: on a 2-core Zen 4 VM, 65-85 GFLOP/s at 8 rows and 170-275 at 64, against 170-240
+and 300-380 here (each thread takes whole blocks of 64 output columns). Used for at most
+MAX_ROWS rows, on one device (the custom call is not partitioned), when the CPU has
+AVX512-BF16 and the kernel builds (``enabled``); XLA's dot otherwise. A row's result
+does not depend on the other rows or on their number (k runs in one fixed order).
+
+The library is compiled and cached like the attention kernel's (pallas_kernels/cpu.py).
+``JAXSERVE_NATIVE_MATMUL=0`` turns it off (for comparisons).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.cpu import build_library, cpu_flags
+from pallas_kernels.storage import BF16_BITS
+
+logger = logging.getLogger(__name__)
+
+SOURCE = pathlib.Path(__file__).parent / "csrc" / "bf16_matmul_cpu.cc"
+TARGET = "jaxserve_bf16_matmul_cpu_v1"
+_SYMBOL = "JaxserveBf16MatmulCpu"
+# Up to here the kernel was faster than XLA's dot at SmolLM2's shapes (2-core Zen 4:
+# ~1.1-1.3x at 128 rows, even at 256, behind at 2048).
+MAX_ROWS = 128
+
+
+@functools.cache
+def enabled() -> bool:
+    """Whether products go through the kernel in this process: a CPU backend, a CPU with
+    AVX512-BF16, the library built and registered with XLA (done here, once), and not
+    turned off by JAXSERVE_NATIVE_MATMUL=0."""
+    if os.environ.get("JAXSERVE_NATIVE_MATMUL", "1") == "0" or jax.default_backend() != "cpu":
+        return False
+    if "avx512_bf16" not in cpu_flags():
+        return False
+    path = build_library(SOURCE, "bf16_matmul_cpu", "the CPU bf16 matmul kernel", "XLA's dot instead")
+    if path is None:
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
+    except (OSError, AttributeError) as e:
+        logger.warning("loading the CPU bf16 matmul kernel %s failed (%s): XLA's dot instead", path, e)
+        return False
+    return True
+
+
+def takes(x, w, transposed: bool) -> bool:
+    """Whether ``matmul_bf16`` takes this product: float32 x of at most MAX_ROWS rows, a
+    bf16 (or bit-pattern) weight [in, out]."""
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    return (not transposed and x.dtype == jnp.float32 and w.ndim == 2
+            and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), BF16_BITS) and rows <= MAX_ROWS)
+
+
+def matmul_bf16(x, w):
+    """x [..., K] float32 @ w [K, N] bf16 (or its uint16 bit patterns) -> [..., N] float32,
+    x rounded to bf16, float32 accumulation: XLA's ``dot_general(x.astype(bf16), w,
+    preferred_element_type=float32)``, as one native call."""
+    k, n = w.shape
+    x2 = x.reshape(-1, k)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
+    return call(x2, w).reshape(x.shape[:-1] + (n,))
+
+
+if __name__ == "__main__":
+    # `make install` builds the kernel ahead, so the first server start does not wait for it.
+    logging.basicConfig(level=logging.INFO)
+    print(f"CPU bf16 matmul kernel: {'built' if enabled() else 'not used on this machine (XLA dot instead)'}")
