@@ -114,19 +114,25 @@ def build_library(source: pathlib.Path, stem: str, what: str, fallback: str) -> 
     return out
 
 
-@functools.cache
-def available() -> bool:
-    """Whether the native kernel is built, loaded and registered with XLA (once per process)."""
-    path = library_path()
+def register_library(path: pathlib.Path | None, symbol: str, target: str, what: str, fallback: str) -> bool:
+    """Load a built library (``build_library``) and register its FFI handler ``symbol`` with
+    XLA as ``target``; False (logged with ``fallback``) when it was not built or fails to load."""
     if path is None:
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (OSError, AttributeError) as e:
-        logger.warning("loading the CPU attention kernel %s failed (%s): falling back to the reference kernel", path, e)
+        logger.warning("loading %s from %s failed (%s): %s", what, path, e, fallback)
         return False
     return True
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the native kernel is built, loaded and registered with XLA (once per process)."""
+    return register_library(library_path(), _SYMBOL, TARGET, "the CPU attention kernel",
+                            "falling back to the reference kernel")
 
 
 def supports(q, kv_cache) -> bool:

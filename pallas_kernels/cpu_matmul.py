@@ -15,7 +15,6 @@ The library is compiled and cached like the attention kernel's (pallas_kernels/c
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
@@ -24,10 +23,8 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu import build_library, cpu_flags
+from pallas_kernels.cpu import build_library, cpu_flags, register_library
 from pallas_kernels.storage import BF16_BITS
-
-logger = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "bf16_matmul_cpu.cc"
 TARGET = "jaxserve_bf16_matmul_cpu_v1"
@@ -46,16 +43,8 @@ def enabled() -> bool:
         return False
     if "avx512_bf16" not in cpu_flags():
         return False
-    path = build_library(SOURCE, "bf16_matmul_cpu", "the CPU bf16 matmul kernel", "XLA's dot instead")
-    if path is None:
-        return False
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
-    except (OSError, AttributeError) as e:
-        logger.warning("loading the CPU bf16 matmul kernel %s failed (%s): XLA's dot instead", path, e)
-        return False
-    return True
+    what, fallback = "the CPU bf16 matmul kernel", "XLA's dot instead"
+    return register_library(build_library(SOURCE, "bf16_matmul_cpu", what, fallback), _SYMBOL, TARGET, what, fallback)
 
 
 def takes(x, w, transposed: bool) -> bool:
