@@ -37,10 +37,16 @@ MAX_ROWS = 128
 @functools.cache
 def enabled() -> bool:
     """Whether products go through the kernel in this process: a CPU backend, a CPU with
-    AVX512-BF16, the library built and registered with XLA (done here, once), and not
-    turned off by JAXSERVE_NATIVE_MATMUL=0."""
+    AVX512-BF16, the library built and registered with XLA, and not turned off by
+    JAXSERVE_NATIVE_MATMUL=0."""
     if os.environ.get("JAXSERVE_NATIVE_MATMUL", "1") == "0" or jax.default_backend() != "cpu":
         return False
+    return "avx512_bf16" in cpu_flags() and _registered()
+
+
+@functools.cache
+def _registered() -> bool:
+    """Build (once per machine), load and register the kernel (once per process)."""
     if "avx512_bf16" not in cpu_flags():
         return False
     what, fallback = "the CPU bf16 matmul kernel", "XLA's dot instead"
@@ -61,6 +67,8 @@ def matmul_bf16(x, w):
     """x [..., K] float32 @ w [K, N] bf16 (or its uint16 bit patterns) -> [..., N] float32,
     x rounded to bf16, float32 accumulation: XLA's ``dot_general(x.astype(bf16), w,
     preferred_element_type=float32)``, as one native call."""
+    if not _registered():
+        raise RuntimeError("the CPU bf16 matmul kernel is not available (it needs AVX512-BF16 and a C++ compiler)")
     k, n = w.shape
     x2 = x.reshape(-1, k)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
