@@ -138,7 +138,6 @@ def native_products(enabled: bool):
         _NATIVE_PRODUCTS.reset(token)
 
 
-
 def matmul(x, w, *, transposed: bool = False):
     """x [..., in] @ w [in, out] (``transposed``: w is [out, in]) -> [..., out] in x's
     dtype. A 16-bit float on either side multiplies in that dtype with float32

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import pathlib
 
@@ -56,9 +57,7 @@ def _registered() -> bool:
 def takes(x, w, transposed: bool) -> bool:
     """Whether ``matmul_bf16`` takes this product: float32 x of at most MAX_ROWS rows, a
     bf16 (or bit-pattern) weight [in, out]."""
-    rows = 1
-    for d in x.shape[:-1]:
-        rows *= d
+    rows = math.prod(x.shape[:-1])
     return (not transposed and x.dtype == jnp.float32 and w.ndim == 2
             and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), BF16_BITS) and rows <= MAX_ROWS)
 

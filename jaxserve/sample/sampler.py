@@ -132,13 +132,21 @@ def compute_logprobs(logits, sampled, num_logprobs: int):
     return ids, lps, rank
 
 
-def temper_and_filter(logits, md: SamplingMetadata):
-    """-> (is_greedy [R], logits [R, V] divided by the temperature (greedy rows: by 1)
-    with min-p / top-k / top-p applied to the rows that use them)."""
+def temper(logits, md: SamplingMetadata):
+    """-> (is_greedy [R], logits [R, V] divided by the temperature (greedy rows: by 1))."""
     is_greedy = md.temperature <= 0.0
-    tempered = logits / jnp.where(is_greedy, 1.0, md.temperature)[:, None]
-    filtered = (md.top_k > 0) | (md.top_p < 1.0) | (md.min_p > 0.0)
-    return is_greedy, jnp.where(filtered[:, None], apply_top_k_top_p_min_p(tempered, md), tempered)
+    return is_greedy, logits / jnp.where(is_greedy, 1.0, md.temperature)[:, None]
+
+
+def filtering_rows(md: SamplingMetadata):
+    """[R] bool: the rows that use min-p, top-k or top-p."""
+    return (md.top_k > 0) | (md.top_p < 1.0) | (md.min_p > 0.0)
+
+
+def temper_and_filter(logits, md: SamplingMetadata):
+    """``temper``, then min-p / top-k / top-p applied to the rows that use them."""
+    is_greedy, tempered = temper(logits, md)
+    return is_greedy, jnp.where(filtering_rows(md)[:, None], apply_top_k_top_p_min_p(tempered, md), tempered)
 
 
 def uniform_per_row(seeds, positions):
@@ -197,6 +205,13 @@ def _when(pred, if_true, if_false):
     return jax.lax.cond(pred, if_true, if_false)
 
 
+def _placeholders(sampled, width: int):
+    """The logprob outputs of a plain step: ids = the sampled token [R, width], logprobs 0,
+    ranks 1."""
+    r = len(sampled)
+    return jnp.broadcast_to(sampled[:, None], (r, width)), jnp.zeros((r, width), jnp.float32), jnp.ones_like(sampled)
+
+
 def sample(logits, md: SamplingMetadata, *, greedy_only, use_penalties: bool, num_logprobs: int, plain=False):
     """logits: [R, V] f32 -> (sampled [R] int32, logprob ids [R, k+1], logprobs [R, k+1], ranks [R]).
 
@@ -222,29 +237,20 @@ def sample(logits, md: SamplingMetadata, *, greedy_only, use_penalties: bool, nu
         u = uniform_per_row(md.seeds, md.output_pos)
 
         def random_draw(filtered: bool):
-            if filtered:
-                is_greedy, tempered = temper_and_filter(processed, md)
-            else:
-                is_greedy = md.temperature <= 0.0
-                tempered = processed / jnp.where(is_greedy, 1.0, md.temperature)[:, None]
+            is_greedy, tempered = (temper_and_filter if filtered else temper)(processed, md)
             # Unnormalized weights: the draw scales u by the row's total (no division).
             tokens = inverse_cdf_draw(jnp.exp(tempered - jnp.max(tempered, axis=-1, keepdims=True)), u)
             return jnp.where(is_greedy, greedy_tokens, tokens)
 
         # The filters' top-k over the vocabulary is most of a filtered draw's time (~30 ms
         # at [64, 49152] on a 2-core CPU): skipped when no row filters.
-        any_filtered = jnp.any((md.top_k > 0) | (md.top_p < 1.0) | (md.min_p > 0.0))
-        return jax.lax.cond(any_filtered, lambda: random_draw(True), lambda: random_draw(False))
+        return jax.lax.cond(jnp.any(filtering_rows(md)), lambda: random_draw(True), lambda: random_draw(False))
 
     sampled = _when(greedy_only, lambda: draw(True), lambda: draw(False))
 
-    def placeholders(width):
-        return (jnp.broadcast_to(sampled[:, None], (len(sampled), width)), jnp.zeros((len(sampled), width), jnp.float32),
-                jnp.ones_like(sampled))
-
     if plain is True:
-        return sampled, *placeholders(1)
-    return sampled, *_when(plain, lambda: placeholders(num_logprobs + 1),
+        return sampled, *_placeholders(sampled, 1)
+    return sampled, *_when(plain, lambda: _placeholders(sampled, num_logprobs + 1),
                            lambda: compute_logprobs(masked(), sampled, num_logprobs))
 
 
@@ -265,8 +271,7 @@ def sample_from(logits_fn, md: SamplingMetadata, *, greedy_only, use_penalties: 
 
     def fast():
         sampled = argmax_ids(logits_fn())
-        return (sampled, jnp.broadcast_to(sampled[:, None], (len(sampled), width)),
-                jnp.zeros((len(sampled), width), jnp.float32), jnp.ones_like(sampled))
+        return sampled, *_placeholders(sampled, width)
 
     no_bans = ~jnp.any(md.stop_ids_masked >= 0)
     return jax.lax.cond(jnp.logical_and(jnp.logical_and(greedy_only, plain), no_bans), fast, general)
