@@ -24,7 +24,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import commit_line, cpu_line, engine_kwargs, machine_line, parse_engine_args  # noqa: E402
+from common import (commit_line, cpu_line, engine_kwargs, machine_line, parse_engine_args,  # noqa: E402
+                    run_peer_script)
 
 SUBJECTS = ["the ocean", "a volcano", "photosynthesis", "the moon", "bread", "a bicycle", "rain", "music",
             "the internet", "chess", "honey bees", "a library", "gravity", "coffee", "winter", "a computer"]
@@ -54,20 +55,10 @@ def agreement(ref, other) -> tuple[int, float, float]:
 def run_peer_greedy(args, prompts: list[list[int]], dtype: str) -> dict:
     """vLLM's greedy outputs (EOS respected, --max-tokens) on these prompt tokens, in its
     own Python (peer_throughput.py --greedy)."""
-    import json
-    import subprocess
-    import tempfile
-
     from models.default_model import default_model_dir
 
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump([list(p) for p in prompts], f)
-    cmd = [args.peer_python, str(Path(__file__).with_name("peer_throughput.py")), "--engine", args.peer, "--model",
-           args.model or str(default_model_dir()), "--prompts", f.name, "--output-len", str(args.max_tokens),
-           "--dtype", dtype, "--greedy"]
-    print(f"Running the peer: {' '.join(cmd)}", flush=True)
-    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
-    return json.loads(next(line for line in out.splitlines() if line.startswith('{"engine"')))
+    return run_peer_script(args.peer_python, prompts, args.peer, args.model or str(default_model_dir()),
+                           "--output-len", str(args.max_tokens), "--dtype", dtype, "--greedy")
 
 
 def main() -> None:
@@ -115,10 +106,10 @@ def main() -> None:
         t0 = time.perf_counter()
         done = llm.generate(prompts, sp, use_tqdm=False)
         tput = sum(len(o.outputs[0].token_ids) for o in done) / (time.perf_counter() - t0)
+        mine = [(o.token_ids, [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)]) for o in outs]
         if ref is None:
             ref_prompts = [list(o.prompt_token_ids) for o in results]  # the peer gets the same tokens
-            ref = [(o.token_ids, [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)]) for o in outs]
-        mine = [(o.token_ids, [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)]) for o in outs]
+            ref = mine
         rows.append((variant, startup, tput, *agreement(ref, mine)))
         print(f"{variant}: startup {startup:.1f} s, {tput:.1f} output tok/s, identical {rows[-1][3]}/{len(outs)}, "
               f"common prefix {rows[-1][4]:.1f}/{args.max_tokens}, mean |dlogprob| {rows[-1][-1]:.4f}",

@@ -23,7 +23,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import commit_line, cpu_line, engine_kwargs, machine_line, parse_engine_args, plot_bars  # noqa: E402
+from common import (commit_line, cpu_line, engine_kwargs, machine_line, parse_engine_args, plot_bars,  # noqa: E402
+                    run_peer_script)
 
 
 def main() -> None:
@@ -144,22 +145,12 @@ def peer_python(args, name: str) -> str:
 
 def run_peer(args, name: str, model_dir: Path, prompts: list[list[int]], dtype: str) -> dict:
     """The peer ``name`` at ``dtype`` on the same prompts, in its own process and environment."""
-    import subprocess
-    import tempfile
-
     from models.default_model import default_gguf_path
 
     model = args.peer_model or (str(default_gguf_path()) if name == "llamacpp" else str(model_dir))
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(prompts, f)
-    cmd = [peer_python(args, name), str(Path(__file__).with_name("peer_throughput.py")), "--engine", name,
-           "--model", model, "--prompts", f.name, "--output-len", str(args.output_len),
-           "--batch-size", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-           "--dtype", dtype]
-    print(f"Running the peer: {' '.join(cmd)}", flush=True)
-    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
-    # The peer's own logs share stdout (vLLM logs its shutdown after our line).
-    row = json.loads(next(line for line in out.splitlines() if line.startswith('{"engine"')))
+    row = run_peer_script(peer_python(args, name), prompts, name, model, "--output-len", str(args.output_len),
+                          "--batch-size", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
+                          "--dtype", dtype)
     return row | {"label": f"{name} {row['version']}" + ("" if name == "llamacpp" else f" --dtype {dtype}")}
 
 

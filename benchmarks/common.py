@@ -7,6 +7,7 @@ import dataclasses
 import os
 import platform
 import subprocess
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -83,6 +84,22 @@ def parse_engine_args(parser: argparse.ArgumentParser, argv=None, *, fixed: tupl
 def engine_kwargs(engine_args: EngineArgs, **overrides) -> dict:
     """LLM(**kwargs) for ``engine_args`` with ``overrides`` (EngineArgs fields) applied."""
     return dataclasses.asdict(dataclasses.replace(engine_args, **overrides))
+
+
+def run_peer_script(python: str, prompts: list[list[int]], engine: str, model: str, *flags: str) -> dict:
+    """benchmarks/peer_throughput.py in the peer's own ``python`` on these token-id prompts
+    (a temporary JSON file): its one JSON result line."""
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([list(p) for p in prompts], f)
+    cmd = [python, str(Path(__file__).with_name("peer_throughput.py")), "--engine", engine, "--model", model,
+           "--prompts", f.name, *flags]
+    print(f"Running the peer: {' '.join(cmd)}", flush=True)
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+    # The peer's own logs share stdout (vLLM logs its shutdown after our line).
+    return json.loads(next(line for line in out.splitlines() if line.startswith('{"engine"')))
 
 
 def plot_bars(path: str, labels: list[str], values: list[float], *, ylabel: str, title: str) -> None:

@@ -19,15 +19,23 @@ import os
 import time
 
 
-def run_vllm(args, prompts):
+def vllm_llm(args):
+    """vllm.LLM on --model at --dtype, the CPU build's KV space and thread binding set
+    unless given."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
-    import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
+    return LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0,
+               max_num_seqs=args.batch_size)
+
+
+def run_vllm(args, prompts):
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0,
-              max_num_seqs=args.batch_size)
+    llm = vllm_llm(args)
+    import vllm
+    from vllm import SamplingParams
+
     startup = time.perf_counter() - t0
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     t0 = time.perf_counter()
@@ -39,13 +47,10 @@ def run_vllm(args, prompts):
 def run_vllm_greedy(args, prompts):
     """--greedy: each prompt's greedy output (EOS respected) with its tokens' logprobs, for
     agreement with a reference (bench_quantization.py --peer)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    llm = vllm_llm(args)
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0,
-              max_num_seqs=args.batch_size)
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     results = []
