@@ -133,6 +133,9 @@ class ModelConfig:
     # Applied on top of the file: e.g. {"temperature": 0.5, "max_new_tokens": 128}.
     override_generation_config: dict[str, Any] | None = None
     quantization: str | None = None  # weight-only "int8" (models/quantization.py); None: as stored
+    # Every row's tokens and logprobs independent of the step's other rows, its bucket,
+    # chunking, data-parallel rank and speculation (docs/batch_invariance.md).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -40,6 +40,17 @@ class LLM:
         acceptance_rate_per_pos} with speculative decoding; num_steps; num_preemptions."""
         return self.llm_engine.get_metrics()
 
+    def sequence_logprobs(self, token_ids) -> list:
+        """Per-token logprobs of whole sequences, as a trainer computes them: for each
+        sequence of T ids (a list of ints, or a list of such lists), a float32 array
+        [T - 1] whose entry i is log p(token i + 1 | tokens 0..i), from the raw logits,
+        in one forward with the engine's own model code and params (no scheduler, no
+        paging). With ``batch_invariant=True`` these are bitwise the logprobs the engine
+        returned while it sampled the same tokens (docs/batch_invariance.md)."""
+        seqs = [token_ids] if token_ids and isinstance(token_ids[0], int) else list(token_ids)
+        runner = self.llm_engine.model_runner
+        return [runner.sequence_logprobs(list(s)) for s in seqs]
+
     def get_tokenizer(self):
         return self.tokenizer
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from models.batch_invariance import rowwise
 from models.base import Weight
 from models.config import ModelArchConfig, hf_common_fields
 from models.llama import LAYER, LlamaForCausalLM
@@ -23,9 +24,12 @@ _GELU = {"gelu_pytorch_tanh": True, "gelu_tanh": True, "gelu": False}  # -> appr
 
 
 def gemma_rms_norm(x, w, eps):
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+    """Gemma's RMSNorm (scale 1 + w), per fixed tile of rows in batch-invariant mode (llama.rms_norm)."""
+    def norm(x):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+        return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+    return rowwise(norm, x)
 
 
 def layer_types(cfg: dict, sliding_every_but: int) -> list[str]:

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from models.base import MODEL, CausalLM, Weight, make_param
+from models.batch_invariance import rowwise
 from models.config import ModelArchConfig, hf_common_fields
 from models.quantization import linear, matmul, matmul_weight_names, param_map, scan_safe
 from models.rope import apply_rope, rope_inv_freq
@@ -43,9 +44,13 @@ LAYER = "model.layers.{i}."
 
 
 def rms_norm(x, w, eps):
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+    """RMSNorm over x's last axis (per fixed tile of rows in batch-invariant mode:
+    XLA:CPU's reduction changed a row's bits at 4096 rows; models/batch_invariance.py)."""
+    def norm(x):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+        return (xf * w.astype(jnp.float32)).astype(x.dtype)
+    return rowwise(norm, x)
 
 
 class DecoderLayers(nnx.Module):

@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from models import batch_invariance
 from models.base import Weight, dim_size
 from models.config import ModelArchConfig
 from models.sharding import checkpoint_arch, source_indices
@@ -122,20 +123,31 @@ def quantizer(weight_map: dict[str, Weight], mesh: Mesh, method: str = "int8"):
 
 
 _NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# Whether matmul may use the native CPU kernel for small products (pallas_kernels/cpu_matmul.py),
-# set by whoever traces the model's programs (they know the mesh; the kernel is not partitioned).
+# How matmul may multiply, set by whoever traces the model's programs (they know the mesh
+# and the engine's mode): the native CPU kernel for small products
+# (pallas_kernels/cpu_matmul.py; not partitioned, so one device only), and batch-invariant
+# products (docs/batch_invariance.md).
 _NATIVE_PRODUCTS = contextvars.ContextVar("native_products", default=False)
+# The data-parallel mesh the native kernel runs under (batch-invariant mode with dp > 1,
+# tp = 1: each device multiplies its own rank's rows), or None: one device.
+_NATIVE_MESH = contextvars.ContextVar("native_mesh", default=None)
 
 
 @contextlib.contextmanager
-def native_products(enabled: bool):
+def native_products(enabled: bool, batch_invariant: bool = False, mesh=None):
     """While tracing inside, ``matmul`` sends float32 x bf16 products of few rows to the
-    native CPU kernel when ``enabled`` (a CPU with AVX512-BF16, one device)."""
-    token = _NATIVE_PRODUCTS.set(enabled)
+    native CPU kernel when ``enabled`` (a CPU with AVX512-BF16, one device, or with
+    ``mesh`` a data-parallel mesh whose 'data' axis splits the rows: batch-invariant mode);
+    ``batch_invariant``: the model code in batch-invariant mode (models/batch_invariance.py),
+    every product computing each row the same way whatever the rows around it
+    (``invariant_matmul``)."""
+    tokens = _NATIVE_PRODUCTS.set(enabled), _NATIVE_MESH.set(mesh)
     try:
-        yield
+        with batch_invariance.invariant(batch_invariant):
+            yield
     finally:
-        _NATIVE_PRODUCTS.reset(token)
+        _NATIVE_MESH.reset(tokens[1])
+        _NATIVE_PRODUCTS.reset(tokens[0])
 
 
 def matmul(x, w, *, transposed: bool = False):
@@ -148,14 +160,16 @@ def matmul(x, w, *, transposed: bool = False):
     emulates) slower than float32. TPU / GPU
     accumulate in float32 either way. The transposed form is one dot_general: a
     transpose before the product cost XLA:CPU a copy of the whole table (lm_head
-    [64, 576] x [49152, 576]: ~10x slower)."""
+    [64, 576] x [49152, 576]: ~10x slower). Under batch-invariant products
+    (``native_products``) it is ``invariant_matmul``."""
+    if batch_invariance.active():
+        return invariant_matmul(x, w, transposed=transposed, native=_NATIVE_PRODUCTS.get())
     if x.dtype not in _NARROW and w.dtype not in _NARROW:
         return x @ (w.T if transposed else w)
     if _NATIVE_PRODUCTS.get() and cpu_matmul.takes(x, w, transposed):
         # The same product (x rounded to bf16, float32 accumulation), 1.3-3x XLA's rate at
         # decode sizes on a 2-core CPU (pallas_kernels/cpu_matmul.py).
         return cpu_matmul.matmul_bf16(x, w)
-    low = w.dtype if w.dtype in _NARROW else x.dtype
     xs = x
     one_row = math.prod(x.shape[:-1]) == 1 and jax.default_backend() == "cpu"
     if one_row:
@@ -163,11 +177,44 @@ def matmul(x, w, *, transposed: bool = False):
         # float32 for it on every call (and skips x's rounding): the lm_head was ~15x
         # slower than the same row padded to 4.
         xs = jnp.pad(x.reshape(1, -1), ((0, 3), (0, 0)))
-    contract = (((xs.ndim - 1,), (1 if transposed else 0,)), ((), ()))
-    out = jax.lax.dot_general(xs.astype(low), w.astype(low), contract, preferred_element_type=jnp.float32)
+    out = _product(xs, w, transposed)
     if one_row:
         out = out[:1].reshape(x.shape[:-1] + out.shape[-1:])
     return out.astype(x.dtype)
+
+
+def _product(x, w, transposed: bool):
+    """One dot_general of x [..., in] and w: in the narrow dtype of either side with
+    float32 accumulation and result, or in float32."""
+    low = w.dtype if w.dtype in _NARROW else x.dtype
+    contract = (((x.ndim - 1,), (1 if transposed else 0,)), ((), ()))
+    return jax.lax.dot_general(x.astype(low), w.astype(low), contract, preferred_element_type=jnp.float32)
+
+
+def invariant_matmul(x, w, *, transposed: bool = False, native: bool = False):
+    """``matmul``'s product, computed so that a row's result depends only on that row
+    and w: never on how many rows share the call nor where the row sits among them.
+
+    XLA's GEMMs pick their blocking, and so each output's summation order, from the
+    shape (XLA:CPU's float32 product of 576 x 576 changed a row's last bits between 2
+    and 64 rows; one row is a different routine again). Here every product has one
+    shape: the rows go through ``lax.map`` in tiles of batch_invariance.TILE_ROWS (zero
+    padded), each tile the same [tile, in] x w dot. Where the native CPU kernel takes the product
+    (``native``: bf16 weights on an AVX512-BF16 CPU) it is used for every row count
+    instead: it sums each row in one fixed order by construction (cpu_matmul.py)."""
+    mesh = _NATIVE_MESH.get()
+    rows = math.prod(x.shape[:-1])
+    if native and cpu_matmul.takes(x, w, transposed, any_rows=True):
+        if mesh is None:
+            return cpu_matmul.matmul_bf16(x, w).astype(x.dtype)
+        if rows % mesh.shape["data"] == 0:
+            # A custom call has no partitioning rule: each device runs it on its rank's rows.
+            local = jax.shard_map(cpu_matmul.matmul_bf16, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"),
+                                  check_vma=False)
+            out = local(x.reshape(rows, x.shape[-1]), w)
+            return out.reshape(x.shape[:-1] + out.shape[-1:]).astype(x.dtype)
+    out = batch_invariance.map_rows(lambda xt: _product(xt, w, transposed), x.reshape(-1, x.shape[-1]))
+    return out.reshape(x.shape[:-1] + out.shape[-1:]).astype(x.dtype)
 
 
 def scan_safe(tree, restore: bool = False):
@@ -184,7 +231,7 @@ def linear(x, lw: dict, name: str):
     scale = lw.get(name + SCALE)
     if scale is None:
         return matmul(x, w)
-    return ((x @ w.astype(x.dtype)) * scale).astype(x.dtype)
+    return (matmul(x, w.astype(x.dtype)) * scale).astype(x.dtype)
 
 
 # ---------------------------------------------------------------- pre-quantized checkpoints

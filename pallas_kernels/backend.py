@@ -72,16 +72,22 @@ def resolve_backend(backend: str = "auto", platform: str | None = None) -> tuple
 
 
 def resolve_attention_spec(backend: str = "auto", platform: str | None = None, kv_dtype=jnp.float32, *,
-                           interpret=None) -> AttentionSpec:
+                           interpret=None, batch_invariant: bool = False) -> AttentionSpec:
     """The engine's AttentionSpec: ``backend`` resolved (resolve_backend), the KV pages of
     ``kv_dtype`` and what they are stored as (storage.kv_storage_dtype), scales 1.0
     (AttentionSpec.with_kv_scales adds a checkpoint's). ``interpret`` (default: on CPU)
-    runs the Pallas kernels interpreted. ValueError for a combination no kernel runs."""
+    runs the Pallas kernels interpreted. ``batch_invariant``: the kernels in their one
+    fixed configuration (``_attention_fn``); the reference has none (its dense products
+    change order with the batch's shape). ValueError for a combination no kernel runs."""
     backend, plat = resolve_backend(backend, platform)
+    if batch_invariant and backend == "reference":
+        raise ValueError("batch_invariant needs the native CPU attention kernel or the Pallas kernels; the "
+                         "reference attention backend is not batch-invariant (attention_backend=auto picks one)")
     kv_dtype = jnp.dtype(kv_dtype)
     spec = AttentionSpec(backend=backend, platform=plat, kv_dtype=kv_dtype,
                          kv_storage_dtype=kv_storage_dtype(kv_dtype, plat, backend),
-                         interpret=plat == "cpu" if interpret is None else interpret)
+                         interpret=plat == "cpu" if interpret is None else interpret,
+                         batch_invariant=batch_invariant)
     if spec.quantized_kv and plat == "tpu" and backend == "pallas":
         raise ValueError("kv_cache_dtype=fp8 is not supported by the TPU attention kernel on hardware yet "
                          "(it runs on GPU, on CPU and in interpret mode); use kv_cache_dtype=auto")
@@ -102,30 +108,46 @@ def get_attention_fn(backend: str = "auto", platform: str | None = None, interpr
     return _attention_fn(*resolve_backend(backend, platform), interpret)
 
 
-def _attention_fn(backend: str, plat: str, interpret):
-    """get_attention_fn of a resolved backend and platform."""
+def _attention_fn(backend: str, plat: str, interpret, batch_invariant: bool = False):
+    """get_attention_fn of a resolved backend and platform. ``batch_invariant``: each
+    kernel in one configuration for every step (no decode / prefill dispatch, no split of
+    the keys by the batch's size), so that a query's result never depends on the other
+    queries of its step: the native kernel's one score order, the GPU kernel's one row
+    block and no split-K, the TPU kernel's one query block (its KV block is fixed per engine)."""
     if backend == "reference":
         return reference.ragged_paged_attention
     if backend == "native":
-        return native_or_reference
+        return functools.partial(native_or_reference, fixed_order=True) if batch_invariant else native_or_reference
+    fixed = {}
     if plat == "gpu":
         from pallas_kernels import gpu
 
-        return functools.partial(gpu.ragged_paged_attention, interpret=bool(interpret))
+        if batch_invariant:
+            fixed = dict(rows_per_block=gpu.INVARIANT_ROWS, kv_splits=1)
+        return functools.partial(gpu.ragged_paged_attention, interpret=bool(interpret), **fixed)
     from pallas_kernels import tpu
 
     if plat == "cpu" and not interpret:
         interpret = True
-    return functools.partial(tpu.ragged_paged_attention, interpret=interpret)
+    if batch_invariant:
+        fixed = dict(num_queries_per_block=tpu.INVARIANT_QUERIES)
+    return functools.partial(tpu.ragged_paged_attention, interpret=interpret, **fixed)
 
 
 def native_or_reference(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float,
-                        sliding_window: int | None = None, soft_cap: float | None = None, layer=None):
+                        sliding_window: int | None = None, soft_cap: float | None = None, layer=None,
+                        fixed_order: bool = False):
     """The "native" backend's kernel: the CPU kernel where it takes q's and the cache's
-    dtypes and head dim (pallas_kernels/cpu.py), the reference otherwise."""
-    fn = cpu.ragged_paged_attention if cpu.supports(q, kv_cache) else reference.ragged_paged_attention
-    return fn(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-              sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)
+    dtypes and head dim (pallas_kernels/cpu.py), the reference otherwise (an error in
+    batch-invariant mode, ``fixed_order``, which the reference cannot keep)."""
+    common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)
+    if cpu.supports(q, kv_cache):
+        return cpu.ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                          fixed_order=fixed_order, **common)
+    if fixed_order:
+        raise ValueError(f"batch_invariant: the CPU attention kernel does not take q {q.dtype} {q.shape} with a "
+                         f"{kv_cache.dtype} cache, and the reference is not batch-invariant")
+    return reference.ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, **common)
 
 
 def get_kv_write_fn(backend: str = "auto", platform: str | None = None, interpret=False):
@@ -171,7 +193,7 @@ def build_attention(spec: AttentionSpec, mesh: Mesh | None, *, sm_scale: float, 
     model layer l reads and writes slot ``layer_slot[l]`` of the cache [slots, P, S, 2K, H]
     through group ``layer_group[l]``'s block table and slots (``md.block_tables`` [R, G, Pmax],
     ``md.slot_mapping`` [T, G]). None: one group, layer l in slot l."""
-    attend = _attention_fn(spec.backend, spec.platform, spec.interpret)
+    attend = _attention_fn(spec.backend, spec.platform, spec.interpret, spec.batch_invariant)
     write = _kv_write_fn(spec.backend, spec.platform, spec.interpret)
     k_scale, v_scale = spec.k_scale, spec.v_scale
     if sliding_window is None or sliding_window_layers is None or all(sliding_window_layers):

@@ -35,7 +35,7 @@ from pallas_kernels.storage import BF16_BITS
 logger = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "ragged_paged_attention_cpu.cc"
-TARGET = "jaxserve_ragged_paged_attention_cpu_v1"
+TARGET = "jaxserve_ragged_paged_attention_cpu_v2"
 _SYMBOL = "JaxserveRaggedPagedAttentionCpu"
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC", "-w")
 _CACHE_F32, _CACHE_BF16, _CACHE_BYTE_LUT = 0, 1, 2
@@ -162,8 +162,12 @@ def _byte_table(dtype) -> jax.Array:
 
 
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float,
-                           sliding_window: int | None = None, soft_cap: float | None = None, layer=None):
+                           sliding_window: int | None = None, soft_cap: float | None = None, layer=None,
+                           fixed_order: bool = False):
     """reference.ragged_paged_attention's contract, as one native call (see the module docstring).
+    ``fixed_order`` (batch-invariant mode): a query's scores are summed in one order
+    whatever its request's query count (decode, speculative verify, prefill chunk); the
+    default picks the faster order per item, which moves results by rounding.
 
     q: [T, N, H]; kv_cache: [P, S, 2K, H] (or [L, P, S, 2K, H] with ``layer``); kv_lens [R],
     page_indices [R, Pmax], cu_q_lens [R+1] int32; num_seqs int32 scalar. Returns o [T, N, H].
@@ -179,7 +183,7 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
     return call(q, kv_cache, kv_lens, page_indices, cu_q_lens, jnp.reshape(num_seqs, (1,)).astype(jnp.int32),
                 layer_index(kv_cache, layer), _byte_table(kv_cache.dtype), sm_scale=np.float32(sm_scale),
                 sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
-                cache_kind=np.int32(kind))
+                cache_kind=np.int32(kind), fixed_order=np.int32(bool(fixed_order)))
 
 
 if __name__ == "__main__":

@@ -54,12 +54,12 @@ def _registered() -> bool:
     return register_library(build_library(SOURCE, "bf16_matmul_cpu", what, fallback), _SYMBOL, TARGET, what, fallback)
 
 
-def takes(x, w, transposed: bool) -> bool:
-    """Whether ``matmul_bf16`` takes this product: float32 x of at most MAX_ROWS rows, a
-    bf16 (or bit-pattern) weight [in, out]."""
+def takes(x, w, transposed: bool, any_rows: bool = False) -> bool:
+    """Whether ``matmul_bf16`` takes this product: float32 x of at most MAX_ROWS rows (any
+    number with ``any_rows``: batch-invariant mode), a bf16 (or bit-pattern) weight [in, out]."""
     rows = math.prod(x.shape[:-1])
     return (not transposed and x.dtype == jnp.float32 and w.ndim == 2
-            and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), BF16_BITS) and rows <= MAX_ROWS)
+            and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), BF16_BITS) and (any_rows or rows <= MAX_ROWS))
 
 
 def matmul_bf16(x, w):

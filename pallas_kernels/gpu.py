@@ -54,6 +54,8 @@ from pallas_kernels.inputs import compute_dtype, layer_index, validate_inputs
 _KV_BLOCK = 64  # keys per inner-loop iteration
 _MIN_DOT = 16  # Triton's minimum matmul dimension
 _PREFILL_ROWS = 64
+# Batch-invariant mode's one row block for every step (backend._attention_fn), with no split-K.
+INVARIANT_ROWS = _PREFILL_ROWS
 _TARGET_PROGRAMS = 1024  # enough programs to fill ~132 SMs several times over
 
 

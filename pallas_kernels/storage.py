@@ -65,6 +65,9 @@ class AttentionSpec:
     k_scale: float = 1.0
     v_scale: float = 1.0
     interpret: Any = False  # run the Pallas kernels interpreted (True on CPU; or a pltpu.InterpretParams)
+    # Batch-invariant mode (docs/batch_invariance.md): one kernel configuration and one
+    # reduction order for every step, so a query's result depends on its own keys only.
+    batch_invariant: bool = False
 
     @property
     def quantized_kv(self) -> bool:

@@ -73,6 +73,9 @@ _MAX_PAGES_PER_BLOCK = 16
 _KV_BUFFER_BUDGET = 8 * 1024 * 1024
 # Query tokens per block for pure-decode steps.
 _DECODE_BLOCK = 8
+# Batch-invariant mode's one query block for every step (backend._attention_fn); the KV
+# block already depends only on the page size and the engine's pages per sequence.
+INVARIANT_QUERIES = _DECODE_BLOCK
 _LANES = 128
 
 

@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -41,6 +42,11 @@ from jaxserve.config import (
 from jaxserve.core.sched.request_queue import SchedulingPolicy
 
 logger = logging.getLogger("jaxserve")
+
+
+def batch_invariant_env() -> bool:
+    """Whether VLLM_BATCH_INVARIANT (vLLM's switch) asks for batch-invariant inference."""
+    return os.environ.get("VLLM_BATCH_INVARIANT", "0").strip().lower() in ("1", "true", "yes")
 
 
 def _attention_backends() -> tuple[str, ...]:
@@ -93,6 +99,10 @@ class EngineArgs:
         "reference where no compiler is found).", choices=_attention_backends))
     scan_layers: bool = field(default=ModelConfig.scan_layers, metadata=_arg(
         "Run the decoder layers under lax.scan (compile time flat in depth); --no-scan-layers unrolls them."))
+    batch_invariant: bool = field(default=ModelConfig.batch_invariant, metadata=_arg(
+        "Batch-invariant inference: a request's tokens and logprobs are bitwise the same whatever else shares "
+        "its steps, how its prefill is chunked, its data-parallel rank or speculation (VLLM_BATCH_INVARIANT=1 "
+        "turns it on too). Costs speed: docs/batch_invariance.md."))
     generation_config: str = field(default=ModelConfig.generation_config, metadata=_arg(
         "Where request sampling defaults come from: 'auto' (the model's generation_config.json), "
         "'vllm' (none: OpenAI's defaults) or a folder holding a generation_config.json."))
@@ -234,7 +244,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or self.model or DEFAULT_MODEL_NAME,
             max_logprobs=self.max_logprobs, attention_backend=self.attention_backend, scan_layers=self.scan_layers,
             generation_config=self.generation_config, override_generation_config=self.override_generation_config,
-            quantization=self.quantization)
+            quantization=self.quantization, batch_invariant=self.batch_invariant or batch_invariant_env())
         defaults = model_config.get_diff_sampling_param()
         if defaults:
             logger.info("Sampling defaults from the model's generation config: %s (a request's own values win; "

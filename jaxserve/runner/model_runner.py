@@ -32,6 +32,7 @@ from jaxserve.distributed.arrays import global_array
 from jaxserve.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 from jaxserve.runner.bucketing import step_buckets
 from jaxserve.runner.compilation_manager import CompilationManager
+from jaxserve.runner.dense_forward import make_sequence_logprobs
 from jaxserve.runner.dtypes import resolve_dtype, resolve_kv_cache_dtype, resolve_weight_dtype
 from jaxserve.runner.input_batch import CachedRequestState, InputBatch
 from jaxserve.runner.kv_cache import allocate_kv_cache, kv_cache_layout
@@ -60,7 +61,8 @@ class ModelRunner:
         # "auto" resolved once (on CPU it depends on whether the native kernel builds),
         # with how the pages are stored: the spec the kernels and the draft model take.
         self.attention_spec = resolve_attention_spec(mc.attention_backend, self.platform,
-                                                     resolve_kv_cache_dtype(cc.cache_dtype, self.dtype))
+                                                     resolve_kv_cache_dtype(cc.cache_dtype, self.dtype),
+                                                     batch_invariant=mc.batch_invariant)
         self.block_size = cc.block_size
         self.max_model_len = sc.max_model_len
         self.max_num_reqs = sc.max_num_seqs
@@ -95,6 +97,7 @@ class ModelRunner:
                                          self.vocab_size, self.kv_cache_layout.num_groups) for _ in range(self.dp)]
         self.requests: dict[str, CachedRequestState] = {}
         self._seed_rng = np.random.default_rng(mc.seed)
+        self._sequence_logprobs = None  # built on first use (dense_forward.py)
         self._init_programs()
 
     def _init_kv_cache(self) -> None:
@@ -126,7 +129,8 @@ class ModelRunner:
         self._step_inputs = StepInputBuilder(self.input_batches, self.requests, self.inputs,
                                              block_size=self.block_size)
         self._jitted = build_step_programs(self.graphdef, self._attention, self.mesh, dp=self.dp,
-                                           rows_per_req=self.rows_per_req, max_logprobs=self.max_logprobs)
+                                           rows_per_req=self.rows_per_req, max_logprobs=self.max_logprobs,
+                                           batch_invariant=self.config.model_config.batch_invariant)
         if self.draft is not None:
             self._jitted[DraftKey] = self.draft.jitted
         # Device constants standing in for the sampler's wide inputs when a step does not
@@ -139,6 +143,21 @@ class ModelRunner:
     def input_batch(self) -> InputBatch:
         """Rank 0's batch (the only one without data parallelism)."""
         return self.input_batches[0]
+
+    def sequence_logprobs(self, token_ids: list[int], state=None) -> np.ndarray:
+        """Logprobs [T - 1] of tokens 1..T-1 of one sequence given the ones before, in one
+        forward with this engine's model and ``state`` (default: its own params;
+        runner/dense_forward.py). Bitwise the engine's sampled logprobs in batch-invariant mode."""
+        if len(token_ids) < 2 or len(token_ids) > self.max_model_len:
+            raise ValueError(f"token_ids: a sequence of 2 to max_model_len={self.max_model_len} tokens, "
+                             f"got {len(token_ids)}")
+        bad = [t for t in token_ids if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise ValueError(f"token_ids: ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if self._sequence_logprobs is None:
+            self._sequence_logprobs = make_sequence_logprobs(self)
+        ids = jax.device_put(np.asarray(token_ids, np.int32), self._replicated)
+        return np.asarray(self._sequence_logprobs(self.state if state is None else state, ids))
 
     @property
     def attention_backend(self) -> str:

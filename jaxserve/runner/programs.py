@@ -33,22 +33,27 @@ from pallas_kernels.attention_metadata import AttentionMetadata
 
 
 def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, rows_per_req: int,
-                        max_logprobs: int) -> dict[type, Callable]:
+                        max_logprobs: int, batch_invariant: bool = False) -> dict[type, Callable]:
     """The step's jitted functions by program key type (their static arguments:
     ProgramInputs.static_args). ``attention``: the per-layer attention
     (pallas_kernels.backend.build_attention); ``rows_per_req``: S = k + 1 logits rows per
-    request with k speculative tokens, else 1; ``dp``: the data-parallel ranks."""
+    request with k speculative tokens, else 1; ``dp``: the data-parallel ranks;
+    ``batch_invariant``: every product row-invariant (models.quantization.invariant_matmul)."""
     s = rows_per_req
     rows_sharding, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-    # Small bf16 products through the native CPU kernel: on one device only (a custom
-    # call is not partitioned), where the CPU multiplies bf16 natively.
-    native = mesh.size == 1 and cpu_matmul.enabled()
+    # Small bf16 products through the native CPU kernel: on one device (a custom call is
+    # not partitioned), where the CPU multiplies bf16 natively. Batch-invariant mode uses
+    # it for every product, and under data parallelism alone (tp = 1) runs it per rank,
+    # so that a request's rows are multiplied the same way on any rank.
+    dp_only = batch_invariant and mesh.size > 1 and mesh.shape["model"] == 1
+    native = (mesh.size == 1 or dp_only) and cpu_matmul.enabled()
+    native_mesh = mesh if dp_only else None
 
     def products(fn):
-        """fn traced with ``native`` products (models.quantization.native_products)."""
+        """fn traced with ``native`` (and batch-invariant) products (models.quantization.native_products)."""
         @functools.wraps(fn)
         def traced(*args, **kwargs):
-            with native_products(native):
+            with native_products(native, batch_invariant, native_mesh):
                 return fn(*args, **kwargs)
         return traced
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.sample.metadata import SamplingMetadata
+from models import batch_invariance
 
 _NEG_INF = -jnp.inf
 TOP_K_CANDIDATES = 1024
@@ -117,9 +118,22 @@ def apply_top_k_top_p_min_p(logits, md: SamplingMetadata):
     return jnp.where(cut & (logits < threshold), _NEG_INF, logits)
 
 
+# Rows per fixed-shape tile of the sampler in batch-invariant mode (models/batch_invariance.py).
+SAMPLER_TILE_ROWS = 8
+
+
 def compute_logprobs(logits, sampled, num_logprobs: int):
     """Raw log-softmax: (ids [R, k+1], logprobs [R, k+1], rank of sampled [R]).
-    Column 0 is the sampled token."""
+    Column 0 is the sampled token. In batch-invariant mode per fixed tile of rows: the
+    log-softmax's sum over the vocabulary then has one order whatever R."""
+    if batch_invariance.active():
+        return batch_invariance.map_rows(lambda lg, s: _logprobs(lg, s, num_logprobs), logits, sampled,
+                                         tile=SAMPLER_TILE_ROWS)
+    return _logprobs(logits, sampled, num_logprobs)
+
+
+def _logprobs(logits, sampled, num_logprobs: int):
+    """compute_logprobs of one set of rows, as they come."""
     lp = jax.nn.log_softmax(logits, axis=-1)
     sampled_lp = jnp.take_along_axis(lp, sampled[:, None], axis=-1)
     rank = jnp.sum(lp > sampled_lp, axis=-1).astype(jnp.int32) + 1
@@ -220,7 +234,19 @@ def sample(logits, md: SamplingMetadata, *, greedy_only, use_penalties: bool, nu
     logprob outputs are placeholders (ids = sampled, logprobs 0, ranks 1). Both are
     Python bools (one program per value; a static plain also skips the grammar mask and
     gives [R, 1] placeholders) or traced bool scalars (one program for every case, the
-    work skipped at run time)."""
+    work skipped at run time). In batch-invariant mode the rows go by fixed tiles
+    (models/batch_invariance.py): every sum over the vocabulary (log-softmax, top-p's
+    total, the draw's cumulative weights) then has one order whatever R, and a seeded
+    row draws the same token alone or in any batch."""
+    kw = dict(greedy_only=greedy_only, use_penalties=use_penalties, num_logprobs=num_logprobs, plain=plain)
+    if batch_invariance.active():
+        with batch_invariance.invariant(False):  # already one fixed shape per tile
+            return batch_invariance.map_rows(lambda lg, m: _sample(lg, m, **kw), logits, md, tile=SAMPLER_TILE_ROWS)
+    return _sample(logits, md, **kw)
+
+
+def _sample(logits, md: SamplingMetadata, *, greedy_only, use_penalties: bool, num_logprobs: int, plain):
+    """``sample`` of one set of rows, as they come."""
     # Each branch starts again from the logits (lax.cond materializes what crosses into
     # a branch: passing the processed [R, V] in cost the greedy path 5-10 ms at R = 64).
     # A plain batch's masks are all ones, so masking it too changes nothing.

@@ -21,6 +21,10 @@
 // Keys go by tiles of kTile positions aligned to multiples of kTile, each with an
 // online-softmax update per row, so a row's result depends only on its own query and
 // keys: not on the batch it came in, nor on the item it shares (rows are independent).
+// The scores are summed over the head dim in one of two orders, picked by the item's row
+// count (see kTransposeRows); `fixed_order` (batch-invariant mode) always takes the
+// per-key dot products, so that a query's result is also the same whether it is decoded
+// alone (1 token), verified with speculated tokens (k + 1) or prefilled in a chunk.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -77,6 +81,7 @@ struct Problem {
   const int32_t* page_indices;
   float sm_scale, soft_cap;  // soft_cap 0: none
   int64_t window;            // 0: none
+  bool fixed_order;          // one score order whatever the item's rows (batch-invariant mode)
 };
 
 struct Item {
@@ -194,7 +199,7 @@ struct Scratch {
   std::vector<float> q, acc, m, l, keys, keys_t, values, scores;
   std::vector<v16> partials;
   void reserve(int64_t rows, int64_t hp) {
-    partials.resize(kTransposeRows * kTile);
+    partials.resize(rows * kTile);  // per-key sums: every row of a KV head (fixed_order) or fewer than kTransposeRows
     q.resize(rows * hp);
     acc.resize(rows * hp);
     m.resize(rows);
@@ -213,7 +218,7 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
   const int64_t g = p.groups, h = p.head_dim;
   const int64_t head_rows = int64_t(it.nq) * g;  // rows per KV head
   const int64_t heads = it.kh1 - it.kh0;
-  const bool transposed = head_rows >= kTransposeRows;
+  const bool transposed = !p.fixed_order && head_rows >= kTransposeRows;
   float* q = sc.q.data();
   float* acc = sc.acc.data();
   float* m = sc.m.data();
@@ -405,7 +410,7 @@ ffi::Error Attention(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi:
                      ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
                      ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> lut,
                      ffi::Result<ffi::AnyBuffer> out, ffi::ThreadPool pool, float sm_scale, int64_t sliding_window,
-                     float soft_cap, int32_t cache_kind) {
+                     float soft_cap, int32_t cache_kind, int32_t fixed_order) {
   const auto qd = q.dimensions();
   const auto cd = kv_cache.dimensions();
   if (qd.size() == 3 && qd[2] > kLanes * kMaxHeadVectors)
@@ -436,6 +441,7 @@ ffi::Error Attention(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi:
   p.sm_scale = sm_scale;
   p.soft_cap = soft_cap;
   p.window = sliding_window;
+  p.fixed_order = fixed_order != 0;
   const int64_t lay = std::clamp<int64_t>(stacked ? layer.typed_data()[0] : 0, 0, num_layers - 1);
   p.cache = static_cast<const uint8_t*>(kv_cache.untyped_data()) +
             lay * num_pages * page_size * two_k * h * p.elem_bytes;
@@ -503,4 +509,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpu, Attention,
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
-                                  .Attr<int32_t>("cache_kind"));
+                                  .Attr<int32_t>("cache_kind")
+                                  .Attr<int32_t>("fixed_order"));

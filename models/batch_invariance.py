@@ -1,0 +1,64 @@
+"""Batch-invariant mode's building block: row-wise work in one fixed shape.
+
+XLA picks a product's blocking, and a reduction's vectorization and threading, from the
+shapes it is given, so a row's result can change with the number of rows beside it: on
+a 2-core Zen 4 VM an RMSNorm over [T, 576] rows gave other last bits for the same row
+at T >= 4096 than at T <= 2048, and a float32 product of 576 x 576 changed between 2
+and 64 rows. ``rowwise`` runs a row-wise function over tiles of TILE_ROWS rows (the last
+one zero padded) under ``lax.map``: every call compiles the one [TILE_ROWS, ...] body,
+whatever the step's bucket, so a row's result depends on that row alone.
+
+The mode is set while the engine's programs are traced (``invariant``, entered by
+models.quantization.native_products) and read by the model code and the sampler
+(docs/batch_invariance.md).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+import jax.numpy as jnp
+
+TILE_ROWS = 64  # rows per fixed-shape tile (products and row-wise reductions)
+_INVARIANT = contextvars.ContextVar("batch_invariant", default=False)
+
+
+@contextlib.contextmanager
+def invariant(enabled: bool):
+    """While tracing inside, ``active()`` is ``enabled``."""
+    token = _INVARIANT.set(enabled)
+    try:
+        yield
+    finally:
+        _INVARIANT.reset(token)
+
+
+def active() -> bool:
+    """Whether the code being traced is in batch-invariant mode."""
+    return _INVARIANT.get()
+
+
+def map_rows(fn, *arrays, tile: int = TILE_ROWS):
+    """fn over tiles of ``tile`` rows of every array in ``arrays`` (all the same number of
+    rows on axis 0; pytree leaves alike), zero padded: fn(*tiles) -> pytree of [tile, ...]
+    -> the same pytree of [rows, ...]. Each tile is one call of the same compiled body."""
+    leaves = jax.tree.leaves(arrays)
+    m = leaves[0].shape[0]
+    tiles = max(1, -(-m // tile))
+
+    def split(a):
+        a = jnp.pad(a, ((0, tiles * tile - m),) + ((0, 0),) * (a.ndim - 1))
+        return a.reshape((tiles, tile) + a.shape[1:])
+
+    out = jax.lax.map(lambda xs: fn(*xs), jax.tree.map(split, arrays))
+    return jax.tree.map(lambda a: a.reshape((tiles * tile,) + a.shape[2:])[:m], out)
+
+
+def rowwise(fn, x, tile: int = TILE_ROWS):
+    """fn(x) for a function of x's last axis alone (a norm, a softmax), x [..., D]: as it
+    is, or in batch-invariant mode over fixed tiles of rows (``map_rows``)."""
+    if not active():
+        return fn(x)
+    rows = x.reshape(-1, x.shape[-1])
+    return map_rows(fn, rows, tile=tile).reshape(x.shape[:-1] + (-1,))
