@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 import re
 
@@ -169,7 +170,7 @@ def matmul(x, w, *, transposed: bool = False):
     if _NATIVE_PRODUCTS.get() and cpu_matmul.takes(x, w, transposed):
         # The same product (x rounded to bf16, float32 accumulation), 1.3-3x XLA's rate at
         # decode sizes on a 2-core CPU (pallas_kernels/cpu_matmul.py).
-        return cpu_matmul.matmul_bf16(x, w)
+        return cpu_matmul.matmul_bf16(x, w, transposed)
     xs = x
     one_row = math.prod(x.shape[:-1]) == 1 and jax.default_backend() == "cpu"
     if one_row:
@@ -206,11 +207,11 @@ def invariant_matmul(x, w, *, transposed: bool = False, native: bool = False):
     rows = math.prod(x.shape[:-1])
     if native and cpu_matmul.takes(x, w, transposed, any_rows=True):
         if mesh is None:
-            return cpu_matmul.matmul_bf16(x, w).astype(x.dtype)
+            return cpu_matmul.matmul_bf16(x, w, transposed).astype(x.dtype)
         if rows % mesh.shape["data"] == 0:
             # A custom call has no partitioning rule: each device runs it on its rank's rows.
-            local = jax.shard_map(cpu_matmul.matmul_bf16, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"),
-                                  check_vma=False)
+            local = jax.shard_map(functools.partial(cpu_matmul.matmul_bf16, transposed=transposed), mesh=mesh,
+                                  in_specs=(P("data"), P()), out_specs=P("data"), check_vma=False)
             out = local(x.reshape(rows, x.shape[-1]), w)
             return out.reshape(x.shape[:-1] + out.shape[-1:]).astype(x.dtype)
     out = batch_invariance.map_rows(lambda xt: _product(xt, w, transposed), x.reshape(-1, x.shape[-1]))

@@ -1,5 +1,6 @@
 """bf16 products of a few rows on a CPU with AVX512-BF16, as native code: an XLA FFI
-custom call (csrc/bf16_matmul_cpu.cc).
+custom call (csrc/bf16_matmul_cpu.cc). The weight is [in, out], or [out, in] (a tied
+embedding as the lm_head: ``transposed``).
 
 ``models.quantization.matmul`` multiplies float32 activations by bf16 weights (the
 default on such a CPU): x rounded to bf16, float32 accumulation. XLA:CPU runs that
@@ -23,16 +24,22 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.cpu import build_library, cpu_flags, register_library
 from pallas_kernels.storage import BF16_BITS
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "bf16_matmul_cpu.cc"
-TARGET = "jaxserve_bf16_matmul_cpu_v1"
+TARGET = "jaxserve_bf16_matmul_cpu_v2"
 _SYMBOL = "JaxserveBf16MatmulCpu"
 # Up to here the kernel was faster than XLA's dot at SmolLM2's shapes (2-core Zen 4:
 # ~1.1-1.3x at 128 rows, even at 256, behind at 2048).
 MAX_ROWS = 128
+# A transposed weight [N, K] (the tied lm_head) goes through per-(row, column) dot
+# products, which beat XLA's product only at the fewest rows (49152 x 576 on the same VM:
+# 3.6 vs 5.2 ms at 1 row, 5.8 vs 5.0 at 8, 17.8 vs 14.7 at 64). Batch-invariant mode
+# takes it for every row count (XLA in fixed 64-row tiles took 14 ms at 1 row).
+MAX_TRANSPOSED_ROWS = 4
 
 
 @functools.cache
@@ -56,22 +63,24 @@ def _registered() -> bool:
 
 def takes(x, w, transposed: bool, any_rows: bool = False) -> bool:
     """Whether ``matmul_bf16`` takes this product: float32 x of at most MAX_ROWS rows (any
-    number with ``any_rows``: batch-invariant mode), a bf16 (or bit-pattern) weight [in, out]."""
+    number with ``any_rows``: batch-invariant mode), a bf16 (or bit-pattern) weight [in,
+    out] (``transposed``: [out, in])."""
     rows = math.prod(x.shape[:-1])
-    return (not transposed and x.dtype == jnp.float32 and w.ndim == 2
-            and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), BF16_BITS) and (any_rows or rows <= MAX_ROWS))
+    limit = MAX_TRANSPOSED_ROWS if transposed else MAX_ROWS
+    return (x.dtype == jnp.float32 and w.ndim == 2
+            and jnp.dtype(w.dtype) in (jnp.dtype(jnp.bfloat16), BF16_BITS) and (any_rows or rows <= limit))
 
 
-def matmul_bf16(x, w):
-    """x [..., K] float32 @ w [K, N] bf16 (or its uint16 bit patterns) -> [..., N] float32,
-    x rounded to bf16, float32 accumulation: XLA's ``dot_general(x.astype(bf16), w,
-    preferred_element_type=float32)``, as one native call."""
+def matmul_bf16(x, w, transposed: bool = False):
+    """x [..., K] float32 @ w [K, N] bf16 (or its uint16 bit patterns; ``transposed``: w
+    is [N, K]) -> [..., N] float32, x rounded to bf16, float32 accumulation: XLA's
+    ``dot_general(x.astype(bf16), w, preferred_element_type=float32)``, as one native call."""
     if not _registered():
         raise RuntimeError("the CPU bf16 matmul kernel is not available (it needs AVX512-BF16 and a C++ compiler)")
-    k, n = w.shape
+    n, k = w.shape if transposed else w.shape[::-1]
     x2 = x.reshape(-1, k)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    return call(x2, w).reshape(x.shape[:-1] + (n,))
+    return call(x2, w, transposed=np.int32(transposed)).reshape(x.shape[:-1] + (n,))
 
 
 if __name__ == "__main__":

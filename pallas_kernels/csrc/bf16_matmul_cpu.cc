@@ -11,6 +11,11 @@
 // two bf16 is exact in float32 and VDPBF16PS adds them in pairs of k into float32
 // accumulators, k in increasing order: a row's result depends on that row and w only,
 // never on M or on the other rows.
+//
+// `transposed`: w is [N, K] (a tied embedding used as the lm_head), each output column
+// a row of w, contiguous in k. Then each (row, column) is a dot product: 32 k at a time
+// into 16 float32 lanes (VDPBF16PS), k in increasing order, the lanes summed at the end
+// in one fixed order (_mm512_reduce_add_ps). Again nothing depends on M or the other rows.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -52,9 +57,10 @@ void pack_x(const float* x, int64_t m, int64_t k, int64_t k2, uint32_t* out) {
 
 struct Problem {
   const uint32_t* xa;  // [M, K2] packed pairs
-  const uint16_t* w;   // [K, N]
+  const uint16_t* w;   // [K, N], or [N, K] when transposed
   float* y;            // [M, N]
   int64_t m, k, n, k2;
+  bool transposed;
 };
 
 // The weights of the 64 columns from c0 for VDPBF16PS: for each k pair q, four vectors
@@ -121,8 +127,70 @@ void tile(const Problem& p, const __m512i* wp, int64_t r0, int64_t c0) {
   }
 }
 
+// Transposed weights: rows [r0, r0 + R) x columns [c0, c0 + C), each a dot product over
+// k of x's packed pairs and w's row (both bf16 pairs, 16 per vector), the tail masked.
+template <int R, int C>
+void tile_t(const Problem& p, int64_t r0, int64_t c0) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t full = p.k / 32;  // vectors of 32 k with no tail
+  for (int64_t s = 0; s < full; ++s) {
+    __m512bh wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(p.w + (c0 + c) * p.k + 32 * s);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(p.xa + (r0 + r) * p.k2 + 16 * s);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+    }
+  }
+  const int64_t tail = p.k - 32 * full;  // k left, < 32: zeros past K on both sides
+  if (tail > 0) {
+    const __mmask32 wm = __mmask32((uint64_t(1) << tail) - 1);
+    const __mmask16 xm = __mmask16((1u << ((tail + 1) / 2)) - 1);
+    __m512bh wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(wm, p.w + (c0 + c) * p.k + 32 * full);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi32(xm, p.xa + (r0 + r) * p.k2 + 16 * full);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) p.y[(r0 + r) * p.n + c0 + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+constexpr int kTRows = 6, kTCols = 4;  // 24 accumulators + 4 weight vectors + 1 x vector
+
+template <int R>
+void tile_t_cols(const Problem& p, int64_t r0, int64_t c0, int64_t c1) {
+  int64_t c = c0;
+  for (; c + kTCols <= c1; c += kTCols) tile_t<R, kTCols>(p, r0, c);
+  switch (c1 - c) {
+    case 3: tile_t<R, 3>(p, r0, c); break;
+    case 2: tile_t<R, 2>(p, r0, c); break;
+    case 1: tile_t<R, 1>(p, r0, c); break;
+    default: break;
+  }
+}
+
+// One work item with transposed weights: every row, the 64 columns from c0 (their w
+// rows stay in L2 while the row tiles go by).
+void column_block_t(const Problem& p, int64_t c0) {
+  const int64_t c1 = std::min<int64_t>(c0 + kCols, p.n);
+  int64_t r = 0;
+  for (; r + kTRows <= p.m; r += kTRows) tile_t_cols<kTRows>(p, r, c0, c1);
+  switch (p.m - r) {
+    case 5: tile_t_cols<5>(p, r, c0, c1); break;
+    case 4: tile_t_cols<4>(p, r, c0, c1); break;
+    case 3: tile_t_cols<3>(p, r, c0, c1); break;
+    case 2: tile_t_cols<2>(p, r, c0, c1); break;
+    case 1: tile_t_cols<1>(p, r, c0, c1); break;
+    default: break;
+  }
+}
+
 // One work item: every row, the 64 columns from c0.
 void column_block(const Problem& p, int64_t c0) {
+  if (p.transposed) return column_block_t(p, c0);
   thread_local std::vector<__m512i> packed;
   if (int64_t(packed.size()) < 4 * p.k2) packed.resize(4 * p.k2);
   pack_w(p, c0, packed.data());
@@ -154,17 +222,18 @@ void work(const Problem& p, Shared& sh) {
 }
 
 ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Result<ffi::Buffer<ffi::F32>> y,
-                  ffi::ThreadPool pool) {
+                  ffi::ThreadPool pool, int32_t transposed) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
-    return ffi::Error::InvalidArgument("x must be [M, K] and w [K, N]");
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[transposed ? 1 : 0])
+    return ffi::Error::InvalidArgument("x must be [M, K] and w [K, N] (transposed: [N, K])");
   if (w.element_type() != ffi::BF16 && w.element_type() != ffi::U16)
     return ffi::Error::InvalidArgument("w must be bfloat16 (or its uint16 bit patterns)");
   Problem p;
   p.m = xd[0];
   p.k = xd[1];
-  p.n = wd[1];
+  p.transposed = transposed != 0;
+  p.n = wd[p.transposed ? 0 : 1];
   p.k2 = (p.k + 1) / 2;
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   std::vector<uint32_t> xa(p.m * p.k2);
@@ -194,4 +263,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveBf16MatmulCpu, Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::AnyBuffer>()         // w [K, N] bf16 / uint16
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-                                  .Ctx<ffi::ThreadPool>());
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Attr<int32_t>("transposed"));

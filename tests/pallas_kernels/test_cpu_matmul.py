@@ -33,14 +33,16 @@ def test_enabled_on_this_cpu():
 
 
 @needs_bf16
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("m,k,n", [(1, 3, 5), (7, 33, 70), (64, 576, 960), (13, 1536, 576), (6, 64, 64),
-                                   (128, 577, 129), (5, 2, 1000)])
-def test_matches_xla_product(m, k, n):
-    """Odd K (the last pair padded), N not a multiple of the 64-column blocks, M not a
-    multiple of the 6-row tiles: XLA's product of x rounded to bf16, within float32
-    rounding of the accumulation order, and exact against float64 to that rounding."""
+                                   (128, 577, 129), (5, 2, 1000), (9, 95, 67)])
+def test_matches_xla_product(m, k, n, transposed):
+    """Odd K (the last pair padded; transposed: a tail of fewer than 32 k), N not a
+    multiple of the 64-column blocks, M not a multiple of the row tiles: XLA's product of
+    x rounded to bf16, within float32 rounding of the accumulation order, and exact
+    against float64 to that rounding. ``transposed``: w given as [N, K] (the tied lm_head)."""
     x, w = _inputs(m, k, n)
-    got = np.asarray(jax.jit(cpu_matmul.matmul_bf16)(x, w))
+    got = np.asarray(jax.jit(lambda x, w: cpu_matmul.matmul_bf16(x, w, transposed))(x, w.T if transposed else w))
     want = np.asarray(jax.jit(_xla)(x, w))
     exact = np.asarray(x.astype(jnp.bfloat16), np.float64) @ np.asarray(w, np.float64)
     scale = np.abs(np.asarray(x.astype(jnp.bfloat16), np.float64)) @ np.abs(np.asarray(w, np.float64))
@@ -61,10 +63,13 @@ def test_bits_and_leading_axes():
 
 
 @needs_bf16
-def test_a_row_does_not_depend_on_the_batch():
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_row_does_not_depend_on_the_batch(transposed):
     """Row i alone, among 63 others, or among 127: bitwise the same (k in one fixed order)."""
     x, w = _inputs(128, 576, 960, seed=3)
-    f = jax.jit(cpu_matmul.matmul_bf16)
+    if transposed:
+        w = w.T
+    f = jax.jit(lambda x, w: cpu_matmul.matmul_bf16(x, w, transposed))
     full = np.asarray(f(x, w))
     np.testing.assert_array_equal(np.asarray(f(x[:64], w)), full[:64])
     for i in (0, 5, 63, 127):
@@ -74,8 +79,8 @@ def test_a_row_does_not_depend_on_the_batch():
 @needs_bf16
 def test_matmul_uses_it_only_where_asked_and_small():
     """models.quantization.matmul: the custom call under native_products(True) for float32
-    x bf16 of at most MAX_ROWS rows; XLA's dot for more rows, a transposed weight (the
-    tied lm_head), float32 weights, or outside native_products."""
+    x bf16 of at most MAX_ROWS rows (MAX_TRANSPOSED_ROWS with the weight transposed: the
+    tied lm_head); XLA's dot for more rows, float32 weights, or outside native_products."""
     def hlo(x, w, native, transposed=False):
         def f(x, w):
             with native_products(native):
@@ -88,6 +93,8 @@ def test_matmul_uses_it_only_where_asked_and_small():
     big, _ = _inputs(cpu_matmul.MAX_ROWS + 1, 64, 96)
     assert cpu_matmul.TARGET not in hlo(big, w, True)
     assert cpu_matmul.TARGET not in hlo(x, w.T, True, transposed=True)
+    few, _ = _inputs(cpu_matmul.MAX_TRANSPOSED_ROWS, 64, 96)
+    assert cpu_matmul.TARGET in hlo(few, w.T, True, transposed=True)
     assert cpu_matmul.TARGET not in hlo(x, w.astype(jnp.float32), True)
 
 
