@@ -42,6 +42,13 @@ COMMANDS: list[tuple[str, str, int, str]] = [
     ("bench_serving", f"{PY} benchmarks/bench_serving.py --launch --max-concurrency 1 2 --num-prompts 2 4 "
      f"--input-len 16 --output-len 4 --plot {TMP}/serving.png", 600, r"(?is)ttft.*chart: "),
     ("bench_kernels", f"{PY} benchmarks/bench_kernels.py --small --iters 1", 600, r"\S"),
+    # docs/batch_invariance.md: its cost and exactness runs (and `serve --batch-invariant`), smallest.
+    ("batch-invariant throughput", f"{PY} benchmarks/bench_throughput.py --num-prompts 4 --input-len 16 "
+     "--output-len 4 --also-batch-invariant", 600, r"--batch-invariant .*\|"),
+    ("batch-invariant serving", f"{PY} benchmarks/bench_serving.py --launch --max-concurrency 1 --num-prompts 2 "
+     "--input-len 16 --output-len 4 --server-args=--batch-invariant", 600, r"(?is)ttft"),
+    ("batch-invariant speculation", f"{PY} benchmarks/bench_spec_decode.py --batch-invariant --batches 1 2 "
+     "--batch1-prompts 1 --max-tokens 16 --workloads repetitive", 900, r"(?s)(\| True \|.*){2}"),
     ("profile_step", f"{PY} benchmarks/profile_step.py --batch 2 --steps 2", 600, r"\S"),
     # The two-process example of docs/scale_out.md, as written, then one request and Ctrl-C.
     ("multihost example", """

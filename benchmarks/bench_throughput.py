@@ -45,6 +45,8 @@ def main() -> None:
                          "checkpoint; the comparison a user makes), float32 (like for like) or bfloat16")
     ap.add_argument("--also-dtype", nargs="+", default=[],
                     help="after jaxserve at --dtype, run it again at each of these dtypes (a row each)")
+    ap.add_argument("--also-batch-invariant", action="store_true",
+                    help="a second jaxserve row with --batch-invariant (its cost: docs/batch_invariance.md)")
     ap.add_argument("--plot", default=None, metavar="FILE.png",
                     help="also draw the table's output tok/s as a bar chart (matplotlib)")
     ap.add_argument("--peer-model", default=None,
@@ -66,6 +68,8 @@ def main() -> None:
              for dtype in (args.peer_dtype if name != "llamacpp" else ["auto"])]
     rows = [run_jaxserve(args, engine_args, model_dir, token_prompts, dtype)
             for dtype in [engine_args.dtype, *args.also_dtype]]
+    if args.also_batch_invariant and not engine_args.batch_invariant:
+        rows.append(run_jaxserve(args, engine_args, model_dir, token_prompts, engine_args.dtype, batch_invariant=True))
     ours = rows[0]["output_tokens_per_s"]
     if peers or len(rows) > 1:
         print("\n| engine | output tok/s | tokens in s | start-up (s) | first row / engine |")
@@ -89,12 +93,16 @@ def main() -> None:
         }, indent=2))
 
 
-def run_jaxserve(args, engine_args, model_dir: Path, token_prompts: list[list[int]], dtype: str) -> dict:
-    """One LLM.generate over the prompts with the engine at ``dtype``; prints its report."""
+def run_jaxserve(args, engine_args, model_dir: Path, token_prompts: list[list[int]], dtype: str,
+                 batch_invariant: bool | None = None) -> dict:
+    """One LLM.generate over the prompts with the engine at ``dtype`` (and
+    ``batch_invariant``, default: the flag's); prints its report."""
     from jaxserve import LLM, SamplingParams
 
+    if batch_invariant is None:
+        batch_invariant = engine_args.batch_invariant
     t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(engine_args, model=str(model_dir), dtype=dtype),
+    llm = LLM(**engine_kwargs(engine_args, model=str(model_dir), dtype=dtype, batch_invariant=batch_invariant),
               compilation_cache=not args.no_compilation_cache)
     startup = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": p} for p in token_prompts]
@@ -112,7 +120,8 @@ def run_jaxserve(args, engine_args, model_dir: Path, token_prompts: list[list[in
              f"KV {np.dtype(runner.kv_dtype).name}")
     print(f"dtype {dtype} ({kinds}), peers' dtypes {' '.join(args.peer_dtype)}, "
           f"quantization {args.quantization}, attention {runner.attention_backend}, "
-          f"scan_layers {args.scan_layers}, async scheduling {args.async_scheduling}, prompts {len(token_prompts)} of "
+          f"scan_layers {args.scan_layers}, async scheduling {args.async_scheduling}, batch-invariant "
+          f"{batch_invariant}, prompts {len(token_prompts)} of "
           f"{min(map(len, token_prompts))}-{max(map(len, token_prompts))} tokens, output {args.output_len}")
     print(f"startup (load + warm-up): {startup:.1f} s; warm-up {llm.llm_engine.warmup_seconds:.1f} s, "
           f"{llm.llm_engine.num_compiled_programs} programs")
@@ -120,7 +129,8 @@ def run_jaxserve(args, engine_args, model_dir: Path, token_prompts: list[list[in
           f"{output_tokens / elapsed:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {prompt_tokens}")
     print(f"Total num output tokens:  {output_tokens}")
-    return {"label": f"jaxserve --dtype {dtype} ({kinds})", "output_tokens_per_s": output_tokens / elapsed,
+    label = f"jaxserve --dtype {dtype}{' --batch-invariant' if batch_invariant else ''} ({kinds})"
+    return {"label": label, "output_tokens_per_s": output_tokens / elapsed,
             "output_tokens": output_tokens, "prompt_tokens": prompt_tokens, "elapsed_s": elapsed,
             "startup_s": startup}
 

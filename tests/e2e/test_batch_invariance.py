@@ -11,7 +11,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
-ENGINE = dict(max_model_len=256, max_num_seqs=64, kv_cache_memory=16 << 20, compilation_cache=False, progress=False,
+ENGINE = dict(max_model_len=256, max_num_seqs=64, kv_cache_memory=16 << 20, progress=False,
               batch_invariant=True)
 RNG = np.random.default_rng(0)
 # Repeated 5-grams so that the n-gram proposer has drafts that get accepted and rejected.
@@ -57,7 +57,7 @@ def test_chunked_prefill_budgets(model, alone, budget):
 
 def test_ngram_speculation_is_exact(model, alone):
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
-    llm = LLM(str(model), **ENGINE, speculative_config=spec)
+    llm = LLM(str(model), **{**ENGINE, "max_num_seqs": 8}, speculative_config=spec)
     assert _first(llm) == alone[1]
     assert _first(llm, OTHERS[:7]) == alone[1]
     # Drafts were proposed and some accepted: the verify steps scored several positions.
@@ -66,7 +66,7 @@ def test_ngram_speculation_is_exact(model, alone):
 
 @pytest.mark.devices(2)
 def test_data_parallel_ranks(model, alone):
-    llm = LLM(str(model), **ENGINE, data_parallel_size=2)
+    llm = LLM(str(model), **{**ENGINE, "max_num_seqs": 8}, data_parallel_size=2)
     # PROMPT is admitted first (rank 0), then again after 9 others: on rank 1 by the
     # balancer's alternation or among other rows on rank 0: each copy equals it alone.
     prompts = [PROMPT, *OTHERS[:9], PROMPT]
