@@ -5,8 +5,9 @@ last token and at each of its d <= k draft tokens (rows past d repeat the last o
 and are never used). Row j decides the token at output position output_pos + j:
 
 - greedy rows accept draft j while it equals the target argmax; the first mismatch
-  emits the argmax instead, and when all d drafts hold, row d's argmax is a bonus.
-  The output is exactly what decoding without speculation gives.
+  emits the argmax instead, and when all d drafts hold, row d's argmax is a bonus:
+  the argmax decoding without speculation takes at the same positions (bitwise the
+  same logits, and so tokens and logprobs, in batch-invariant mode).
 - random rows accept draft j with probability p_j(draft) (the drafts are one-hot
   proposals, as vLLM treats n-gram and draft-model guesses), else emit a token drawn
   from p_j with the draft removed and renormalised; all accepted: a bonus draw from
@@ -26,8 +27,10 @@ import jax.numpy as jnp
 
 from jaxserve.sample.metadata import SamplingMetadata
 from jaxserve.sample.sampler import (
-    argmax_ids, compute_logprobs, inverse_cdf_draw, process_logits, temper_and_filter, uniform_per_row,
+    SAMPLER_TILE_ROWS, argmax_ids, compute_logprobs, inverse_cdf_draw, process_logits, temper_and_filter,
+    uniform_per_row,
 )
+from models import batch_invariance
 
 # Salt of the acceptance test's random stream (independent of the draws').
 _ACCEPT_SALT = 0x5BD1E995
@@ -39,7 +42,29 @@ def rejection_sample(logits, draft_token_ids, num_draft_tokens, md: SamplingMeta
     int32, num_draft_tokens [R] int32, md: [R] rows ->
     (tokens [R, S] int32: the emitted tokens, -1 after them; num_emitted [R] int32 in
     1..d+1; logprob ids [R*S, n+1], logprobs [R*S, n+1], ranks [R*S]: row i*S + j for
-    request i's j-th emitted token)."""
+    request i's j-th emitted token). In batch-invariant mode the requests go by fixed
+    tiles (models/batch_invariance.py), as the plain sampler's rows do, so a seeded
+    request's accepts and draws do not depend on the requests beside it."""
+    kw = dict(greedy_only=greedy_only, use_penalties=use_penalties, num_logprobs=num_logprobs)
+    if not batch_invariance.active():
+        return _verify(logits, draft_token_ids, num_draft_tokens, md, **kw)
+    r, k = draft_token_ids.shape
+    s, v = k + 1, logits.shape[-1]
+
+    def tile(lg, drafts, num_drafts, tmd):
+        tokens, emitted, ids, lps, ranks = _verify(lg.reshape(-1, v), drafts, num_drafts, tmd, **kw)
+        n = len(drafts)
+        return tokens, emitted, ids.reshape(n, s, -1), lps.reshape(n, s, -1), ranks.reshape(n, s)
+
+    with batch_invariance.invariant(False):  # one fixed shape per tile already
+        tokens, emitted, ids, lps, ranks = batch_invariance.map_rows(
+            tile, logits.reshape(r, s, v), draft_token_ids, num_draft_tokens, md, tile=SAMPLER_TILE_ROWS)
+    return tokens, emitted, ids.reshape(r * s, -1), lps.reshape(r * s, -1), ranks.reshape(-1)
+
+
+def _verify(logits, draft_token_ids, num_draft_tokens, md: SamplingMetadata, *, greedy_only: bool,
+            use_penalties: bool, num_logprobs: int):
+    """rejection_sample of one set of requests, as they come."""
     r, k = draft_token_ids.shape
     s = k + 1
     per_row = jax.tree.map(lambda x: jnp.repeat(x, s, axis=0), md)

@@ -62,6 +62,9 @@ def test_ngram_speculation_is_exact(model, alone):
     assert _first(llm, OTHERS[:7]) == alone[1]
     # Drafts were proposed and some accepted: the verify steps scored several positions.
     assert llm.get_metrics()["spec_decode"]["num_accepted_tokens"] > 0
+    # A seeded request draws other tokens with drafts than without (acceptance has its
+    # own stream), but the same alone as among others.
+    assert _first(llm, sp=SEEDED) == _first(llm, OTHERS[:7], SEEDED)
 
 
 @pytest.mark.devices(2)
