@@ -1,6 +1,7 @@
 """LLM: the offline API, with vLLM's argument names."""
 from __future__ import annotations
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.config import DEFAULT_MAX_MODEL_LEN
@@ -47,9 +48,11 @@ class LLM:
         in one forward with the engine's own model code and params (no scheduler, no
         paging). With ``batch_invariant=True`` these are bitwise the logprobs the engine
         returned while it sampled the same tokens (docs/batch_invariance.md)."""
-        seqs = [token_ids] if token_ids and isinstance(token_ids[0], int) else list(token_ids)
+        if len(token_ids) == 0:
+            raise ValueError("token_ids: a sequence of ids, or a list of sequences; got none")
+        seqs = [token_ids] if np.ndim(token_ids[0]) == 0 else list(token_ids)
         runner = self.llm_engine.model_runner
-        return [runner.sequence_logprobs(list(s)) for s in seqs]
+        return [runner.sequence_logprobs([int(t) for t in s]) for s in seqs]
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -208,12 +208,14 @@ def invariant_matmul(x, w, *, transposed: bool = False, native: bool = False):
     if native and cpu_matmul.takes(x, w, transposed, any_rows=True):
         if mesh is None:
             return cpu_matmul.matmul_bf16(x, w, transposed).astype(x.dtype)
-        if rows % mesh.shape["data"] == 0:
-            # A custom call has no partitioning rule: each device runs it on its rank's rows.
-            local = jax.shard_map(functools.partial(cpu_matmul.matmul_bf16, transposed=transposed), mesh=mesh,
-                                  in_specs=(P("data"), P()), out_specs=P("data"), check_vma=False)
-            out = local(x.reshape(rows, x.shape[-1]), w)
-            return out.reshape(x.shape[:-1] + out.shape[-1:]).astype(x.dtype)
+        if rows % mesh.shape["data"]:
+            raise ValueError(f"batch-invariant products under data parallelism: {rows} rows do not split over "
+                             f"{mesh.shape['data']} ranks")
+        # A custom call has no partitioning rule: each device runs it on its rank's rows.
+        local = jax.shard_map(functools.partial(cpu_matmul.matmul_bf16, transposed=transposed), mesh=mesh,
+                              in_specs=(P("data"), P()), out_specs=P("data"), check_vma=False)
+        out = local(x.reshape(rows, x.shape[-1]), w)
+        return out.reshape(x.shape[:-1] + out.shape[-1:]).astype(x.dtype)
     out = batch_invariance.map_rows(lambda xt: _product(xt, w, transposed), x.reshape(-1, x.shape[-1]))
     return out.reshape(x.shape[:-1] + out.shape[-1:]).astype(x.dtype)
 
@@ -232,7 +234,9 @@ def linear(x, lw: dict, name: str):
     scale = lw.get(name + SCALE)
     if scale is None:
         return matmul(x, w)
-    return (matmul(x, w.astype(x.dtype)) * scale).astype(x.dtype)
+    wide = w.astype(x.dtype)
+    product = invariant_matmul(x, wide, native=False) if batch_invariance.active() else x @ wide
+    return (product * scale).astype(x.dtype)
 
 
 # ---------------------------------------------------------------- pre-quantized checkpoints

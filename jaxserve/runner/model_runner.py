@@ -86,6 +86,10 @@ class ModelRunner:
         self.arch, self.graphdef, self.state = load_target_model(config, model_path, self.mesh, self.dtype,
                                                                  self.param_dtype, progress=progress)
         self.vocab_size = self.arch.vocab_size
+        if mc.batch_invariant and (self.arch.num_experts or pc.tensor_parallel_size > 1):
+            logger.warning("batch_invariant: %s not covered: a row's result can still depend on its batch there "
+                           "(docs/batch_invariance.md)",
+                           "MoE expert grouping" if self.arch.num_experts else "tensor parallelism across tp sizes")
         self.token_buckets, self.request_buckets = step_buckets(config, self.platform)
         self.proposer = make_ngram_proposer(config)  # the n-gram proposer (host)
         self.draft = load_draft_model(self, progress=progress)  # the draft-model proposer (device)

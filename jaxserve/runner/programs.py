@@ -32,6 +32,29 @@ from pallas_kernels import cpu_matmul
 from pallas_kernels.attention_metadata import AttentionMetadata
 
 
+def traced_products(mesh: Mesh, batch_invariant: bool) -> Callable:
+    """A decorator: the function traced with the engine's products
+    (models.quantization.native_products), for every program that runs the model (the
+    step's and the draft model's).
+
+    Small bf16 products go through the native CPU kernel: on one device (a custom call is
+    not partitioned), where the CPU multiplies bf16 natively. Batch-invariant mode uses
+    it for every product, and under data parallelism alone (tp = 1) runs it per rank, so
+    that a request's rows are multiplied the same way on any rank."""
+    dp_only = batch_invariant and mesh.size > 1 and mesh.shape["model"] == 1
+    native = (mesh.size == 1 or dp_only) and cpu_matmul.enabled()
+    native_mesh = mesh if dp_only else None
+
+    def products(fn):
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            with native_products(native, batch_invariant, native_mesh):
+                return fn(*args, **kwargs)
+        return traced
+
+    return products
+
+
 def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, rows_per_req: int,
                         max_logprobs: int, batch_invariant: bool = False) -> dict[type, Callable]:
     """The step's jitted functions by program key type (their static arguments:
@@ -41,21 +64,7 @@ def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, r
     ``batch_invariant``: every product row-invariant (models.quantization.invariant_matmul)."""
     s = rows_per_req
     rows_sharding, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-    # Small bf16 products through the native CPU kernel: on one device (a custom call is
-    # not partitioned), where the CPU multiplies bf16 natively. Batch-invariant mode uses
-    # it for every product, and under data parallelism alone (tp = 1) runs it per rank,
-    # so that a request's rows are multiplied the same way on any rank.
-    dp_only = batch_invariant and mesh.size > 1 and mesh.shape["model"] == 1
-    native = (mesh.size == 1 or dp_only) and cpu_matmul.enabled()
-    native_mesh = mesh if dp_only else None
-
-    def products(fn):
-        """fn traced with ``native`` (and batch-invariant) products (models.quantization.native_products)."""
-        @functools.wraps(fn)
-        def traced(*args, **kwargs):
-            with native_products(native, batch_invariant, native_mesh):
-                return fn(*args, **kwargs)
-        return traced
+    products = traced_products(mesh, batch_invariant)
 
     def per_rank_rows(x, rows, all_positions=False):
         """x [DP*Rmax*S, H] (S rows per request) -> each rank's first ``rows``

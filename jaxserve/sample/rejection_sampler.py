@@ -45,26 +45,29 @@ def rejection_sample(logits, draft_token_ids, num_draft_tokens, md: SamplingMeta
     request i's j-th emitted token). In batch-invariant mode the requests go by fixed
     tiles (models/batch_invariance.py), as the plain sampler's rows do, so a seeded
     request's accepts and draws do not depend on the requests beside it."""
-    kw = dict(greedy_only=greedy_only, use_penalties=use_penalties, num_logprobs=num_logprobs)
+    kw = dict(greedy_only=greedy_only, use_penalties=use_penalties)
     if not batch_invariance.active():
-        return _verify(logits, draft_token_ids, num_draft_tokens, md, **kw)
+        tokens, emitted, raw = _verify(logits, draft_token_ids, num_draft_tokens, md, **kw)
+        return tokens, emitted, *compute_logprobs(raw, jnp.maximum(tokens.reshape(-1), 0), num_logprobs)
     r, k = draft_token_ids.shape
     s, v = k + 1, logits.shape[-1]
 
     def tile(lg, drafts, num_drafts, tmd):
-        tokens, emitted, ids, lps, ranks = _verify(lg.reshape(-1, v), drafts, num_drafts, tmd, **kw)
-        n = len(drafts)
-        return tokens, emitted, ids.reshape(n, s, -1), lps.reshape(n, s, -1), ranks.reshape(n, s)
+        tokens, emitted, raw = _verify(lg.reshape(-1, v), drafts, num_drafts, tmd, **kw)
+        return tokens, emitted, raw.reshape(len(drafts), s, v)
 
     with batch_invariance.invariant(False):  # one fixed shape per tile already
-        tokens, emitted, ids, lps, ranks = batch_invariance.map_rows(
+        tokens, emitted, raw = batch_invariance.map_rows(
             tile, logits.reshape(r, s, v), draft_token_ids, num_draft_tokens, md, tile=SAMPLER_TILE_ROWS)
-    return tokens, emitted, ids.reshape(r * s, -1), lps.reshape(r * s, -1), ranks.reshape(-1)
+    # The logprobs by the plain sampler's tiles of rows (compute_logprobs), so that a
+    # verified token's logprob is bitwise the one decoding without drafts gives.
+    return tokens, emitted, *compute_logprobs(raw.reshape(r * s, v), jnp.maximum(tokens.reshape(-1), 0), num_logprobs)
 
 
 def _verify(logits, draft_token_ids, num_draft_tokens, md: SamplingMetadata, *, greedy_only: bool,
-            use_penalties: bool, num_logprobs: int):
-    """rejection_sample of one set of requests, as they come."""
+            use_penalties: bool):
+    """rejection_sample of one set of requests, as they come, before the logprobs:
+    (tokens [R, S], num_emitted [R], raw: the grammar-masked logits [R*S, V])."""
     r, k = draft_token_ids.shape
     s = k + 1
     per_row = jax.tree.map(lambda x: jnp.repeat(x, s, axis=0), md)
@@ -94,5 +97,4 @@ def _verify(logits, draft_token_ids, num_draft_tokens, md: SamplingMetadata, *, 
     cols = jnp.arange(s, dtype=jnp.int32)[None, :]
     tokens = jnp.where(cols < num_accepted[:, None], drafts.reshape(r, s),
                        jnp.where(cols == num_accepted[:, None], target.reshape(r, s), -1))
-    ids, lps, ranks = compute_logprobs(raw, jnp.maximum(tokens.reshape(-1), 0), num_logprobs)
-    return tokens, num_accepted + 1, ids, lps, ranks
+    return tokens, num_accepted + 1, raw

@@ -29,6 +29,7 @@ from jaxserve.core.kv_cache_utils import cdiv
 from jaxserve.runner.bucketing import BucketTable
 from jaxserve.runner.kv_cache import allocate_kv_cache, kv_cache_sharding
 from jaxserve.runner.program_key import DraftKey
+from jaxserve.runner.programs import traced_products
 from jaxserve.sample.sampler import argmax_ids
 from models.config import attention_settings
 from models.loader import load_model
@@ -93,6 +94,9 @@ class DraftModelProposer:
 
         # Registered with the runner's programs (DraftKey): compiled by its warm-up, run by
         # its _run, counted with the others.
+        # Traced with the engine's products: in batch-invariant mode a draft (and so a
+        # seeded request's accepts and draws) must not depend on the other rows either.
+        propose = traced_products(r.mesh, r.config.model_config.batch_invariant)(propose)
         self.jitted = jax.jit(propose, donate_argnums=(1,), out_shardings=(r._replicated, kv_cache_sharding(r.mesh)))
 
     # ------------------------------------------------------------------ inputs

@@ -67,6 +67,17 @@ def test_ngram_speculation_is_exact(model, alone):
     assert _first(llm, sp=SEEDED) == _first(llm, OTHERS[:7], SEEDED)
 
 
+def test_draft_model_speculation_is_exact(model, tiny_models, alone):
+    draft = tiny_models("llama", vocab=512, layers=1, seed=1)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    llm = LLM(str(model), **{**ENGINE, "max_num_seqs": 8}, speculative_config=spec)
+    assert _first(llm, OTHERS[:7]) == alone[1]
+    # The draft model's products are batch-invariant too: a seeded request's drafts, and
+    # so its accepts and draws, are the same alone and among others.
+    assert _first(llm, sp=SEEDED) == _first(llm, OTHERS[:7], SEEDED)
+    assert llm.get_metrics()["spec_decode"]["num_draft_tokens"] > 0
+
+
 @pytest.mark.devices(2)
 def test_data_parallel_ranks(model, alone):
     llm = LLM(str(model), **{**ENGINE, "max_num_seqs": 8}, data_parallel_size=2)
