@@ -42,7 +42,9 @@ def active() -> bool:
 def map_rows(fn, *arrays, tile: int = TILE_ROWS):
     """fn over tiles of ``tile`` rows of every array in ``arrays`` (all the same number of
     rows on axis 0; pytree leaves alike), zero padded: fn(*tiles) -> pytree of [tile, ...]
-    -> the same pytree of [rows, ...]. Each tile is one call of the same compiled body."""
+    -> the same pytree of [rows, ...]. Each tile is one call of the same compiled body,
+    traced with the mode off: a tile is one fixed shape already, so what fn calls (a
+    sampler's log-softmax, say) runs on it as it comes instead of tiling it again."""
     leaves = jax.tree.leaves(arrays)
     m = leaves[0].shape[0]
     tiles = max(1, -(-m // tile))
@@ -51,7 +53,11 @@ def map_rows(fn, *arrays, tile: int = TILE_ROWS):
         a = jnp.pad(a, ((0, tiles * tile - m),) + ((0, 0),) * (a.ndim - 1))
         return a.reshape((tiles, tile) + a.shape[1:])
 
-    out = jax.lax.map(lambda xs: fn(*xs), jax.tree.map(split, arrays))
+    def body(xs):
+        with invariant(False):
+            return fn(*xs)
+
+    out = jax.lax.map(body, jax.tree.map(split, arrays))
     return jax.tree.map(lambda a: a.reshape((tiles * tile,) + a.shape[2:])[:m], out)
 
 

@@ -203,11 +203,11 @@ def invariant_matmul(x, w, *, transposed: bool = False, native: bool = False):
     padded), each tile the same [tile, in] x w dot. Where the native CPU kernel takes the product
     (``native``: bf16 weights on an AVX512-BF16 CPU) it is used for every row count
     instead: it sums each row in one fixed order by construction (cpu_matmul.py)."""
-    mesh = _NATIVE_MESH.get()
-    rows = math.prod(x.shape[:-1])
     if native and cpu_matmul.takes(x, w, transposed, any_rows=True):
+        mesh = _NATIVE_MESH.get()
         if mesh is None:
             return cpu_matmul.matmul_bf16(x, w, transposed).astype(x.dtype)
+        rows = math.prod(x.shape[:-1])
         if rows % mesh.shape["data"]:
             raise ValueError(f"batch-invariant products under data parallelism: {rows} rows do not split over "
                              f"{mesh.shape['data']} ranks")

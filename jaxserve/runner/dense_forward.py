@@ -24,10 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.runner.kv_cache import kv_cache_shape
+from jaxserve.runner.programs import traced_products
 from jaxserve.sample.sampler import compute_logprobs
 from models.config import attention_settings
-from models.quantization import native_products
-from pallas_kernels import cpu_matmul
 from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.backend import build_attention
 
@@ -57,12 +56,12 @@ def make_sequence_logprobs(runner) -> Callable:
                                seq_lens=jnp.array([t], jnp.int32), query_start_loc=jnp.array([0, t], jnp.int32),
                                block_tables=tables[None], num_seqs=jnp.array([1], jnp.int32))
         kv_cache = jnp.zeros(kv_cache_shape(arch, groups * pages, block, layout.slots_per_block), storage_dtype)
-        with native_products(cpu_matmul.enabled(), batch_invariant):
-            model = nnx.merge(graphdef, state)
-            hidden, _ = model(token_ids, positions, kv_cache, md, attention)
-            logits = model.compute_logits(hidden)
-            targets = jnp.concatenate([token_ids[1:], token_ids[:1]])
-            _, logprobs, _ = compute_logprobs(logits, targets, 0)
+        model = nnx.merge(graphdef, state)
+        hidden, _ = model(token_ids, positions, kv_cache, md, attention)
+        logits = model.compute_logits(hidden)
+        targets = jnp.concatenate([token_ids[1:], token_ids[:1]])
+        _, logprobs, _ = compute_logprobs(logits, targets, 0)
         return logprobs[:-1, 0]
 
-    return jax.jit(forward)
+    # The products of a one-device program (the engine's step decides them the same way).
+    return jax.jit(traced_products(None, batch_invariant)(forward))

@@ -32,17 +32,19 @@ from pallas_kernels import cpu_matmul
 from pallas_kernels.attention_metadata import AttentionMetadata
 
 
-def traced_products(mesh: Mesh, batch_invariant: bool) -> Callable:
+def traced_products(mesh: Mesh | None, batch_invariant: bool) -> Callable:
     """A decorator: the function traced with the engine's products
     (models.quantization.native_products), for every program that runs the model (the
-    step's and the draft model's).
+    step's, the draft model's, and with ``mesh`` None a one-device program: the
+    sequence logprobs of runner/dense_forward.py).
 
     Small bf16 products go through the native CPU kernel: on one device (a custom call is
     not partitioned), where the CPU multiplies bf16 natively. Batch-invariant mode uses
     it for every product, and under data parallelism alone (tp = 1) runs it per rank, so
     that a request's rows are multiplied the same way on any rank."""
-    dp_only = batch_invariant and mesh.size > 1 and mesh.shape["model"] == 1
-    native = (mesh.size == 1 or dp_only) and cpu_matmul.enabled()
+    one_device = mesh is None or mesh.size == 1
+    dp_only = batch_invariant and not one_device and mesh.shape["model"] == 1
+    native = (one_device or dp_only) and cpu_matmul.enabled()
     native_mesh = mesh if dp_only else None
 
     def products(fn):

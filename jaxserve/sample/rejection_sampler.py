@@ -56,9 +56,8 @@ def rejection_sample(logits, draft_token_ids, num_draft_tokens, md: SamplingMeta
         tokens, emitted, raw = _verify(lg.reshape(-1, v), drafts, num_drafts, tmd, **kw)
         return tokens, emitted, raw.reshape(len(drafts), s, v)
 
-    with batch_invariance.invariant(False):  # one fixed shape per tile already
-        tokens, emitted, raw = batch_invariance.map_rows(
-            tile, logits.reshape(r, s, v), draft_token_ids, num_draft_tokens, md, tile=SAMPLER_TILE_ROWS)
+    tokens, emitted, raw = batch_invariance.map_rows(
+        tile, logits.reshape(r, s, v), draft_token_ids, num_draft_tokens, md, tile=SAMPLER_TILE_ROWS)
     # The logprobs by the plain sampler's tiles of rows (compute_logprobs), so that a
     # verified token's logprob is bitwise the one decoding without drafts gives.
     return tokens, emitted, *compute_logprobs(raw.reshape(r * s, v), jnp.maximum(tokens.reshape(-1), 0), num_logprobs)

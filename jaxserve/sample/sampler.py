@@ -240,8 +240,7 @@ def sample(logits, md: SamplingMetadata, *, greedy_only, use_penalties: bool, nu
     row draws the same token alone or in any batch."""
     kw = dict(greedy_only=greedy_only, use_penalties=use_penalties, num_logprobs=num_logprobs, plain=plain)
     if batch_invariance.active():
-        with batch_invariance.invariant(False):  # already one fixed shape per tile
-            return batch_invariance.map_rows(lambda lg, m: _sample(lg, m, **kw), logits, md, tile=SAMPLER_TILE_ROWS)
+        return batch_invariance.map_rows(lambda lg, m: _sample(lg, m, **kw), logits, md, tile=SAMPLER_TILE_ROWS)
     return _sample(logits, md, **kw)
 
 
