@@ -1,6 +1,9 @@
 """LLM: the offline API, with vLLM's argument names."""
 from __future__ import annotations
 
+import logging
+import threading
+
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -10,6 +13,8 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
 from jaxserve.runner.compilation_cache import enable_compilation_cache
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("jaxserve")
 
 
 class LLM:
@@ -34,6 +39,13 @@ class LLM:
         self._default_sampling = self.config.model_config.get_diff_sampling_param()
         self.tokenizer = self.llm_engine.tokenizer
         self._counter = 0
+        # The research loop's calls (update_weights, sleep, pause, ...) may come from
+        # another thread than generate(): each step and each call holds the lock, and
+        # generate() waits on the condition while the engine holds new requests.
+        self._lock = threading.RLock()
+        self._released = threading.Condition(self._lock)
+        self._generating = 0  # generate() / chat() calls stepping the engine now
+        self._aborted: dict[str, RequestOutput] = {}  # pause_generation("abort")'s outputs, for their generate()
 
     def get_metrics(self) -> dict:
         """Engine counters since start: ``spec_decode`` = {num_drafts, num_draft_tokens,
@@ -53,6 +65,106 @@ class LLM:
         seqs = [token_ids] if np.ndim(token_ids[0]) == 0 else list(token_ids)
         runner = self.llm_engine.model_runner
         return [runner.sequence_logprobs([int(t) for t in s]) for s in seqs]
+
+    # ------------------------------------------------------------------ the research loop (docs/research_loop.md)
+    def update_weights(self, weights) -> dict:
+        """Serve new weights, with no recompile: ``weights`` is a folder (safetensors or
+        orbax), a mapping of HF checkpoint names to arrays (numpy or jax.Array, any float
+        dtype; all params or a subset, e.g. the layers that changed), or the engine's
+        param pytree (``get_params()``'s structure: arrays of the same shape, dtype and
+        sharding are taken with no copy). Requests running in another thread's generate()
+        finish on the old weights first (new ones wait); the prefix cache is reset. A bad
+        name, shape or dtype is a ValueError and the old weights keep serving. Returns
+        {"version", "num_params", "seconds", "source"}."""
+        return self._when_idle("update_weights", lambda core: core.update_weights(weights))
+
+    def get_params(self):
+        """The served params, an ``nnx.State`` of the engine's own arrays (no copy): what
+        a JAX trainer updates and hands back to ``update_weights``. Their dtypes are the
+        served ones (on CPU, bfloat16 weights of the layer scan are stored as uint16 bit
+        patterns; ``weight_dtype="float32"`` keeps them float32)."""
+        return self.llm_engine.model_runner.get_params()
+
+    @property
+    def weights_version(self) -> int:
+        """0 for the weights loaded at start; every update_weights adds 1."""
+        return self.llm_engine.model_runner.weights_version
+
+    def sleep(self, level: int = 1) -> dict:
+        """Free the KV cache (level 1; the weights stay on the devices) or the weights too
+        (level 2), e.g. while a trainer runs. Requests made while asleep wait for
+        ``wake_up()`` (from another thread). Returns the bytes freed {"weights", "kv_cache"}."""
+        with self._lock:
+            return self._when_idle("sleep", lambda core: core.sleep(level))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what sleep freed (``tags``: "weights" and / or "kv_cache"; None:
+        both). After level 2 the weights are re-read from the folder they last came from,
+        unless update_weights gave them while asleep."""
+        with self._lock:
+            self.llm_engine.engine_core.wake_up(tags)
+            self._released.notify_all()
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.engine_core.is_sleeping
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (False while requests are running)."""
+        with self._lock:
+            return self.llm_engine.engine_core.reset_prefix_cache()
+
+    def pause_generation(self, mode: str = "wait") -> None:
+        """Hold new requests until ``resume_generation()``: "wait" lets the running ones
+        finish (returns when they have), "abort" ends every unfinished request now
+        (finish_reason "abort")."""
+        if mode not in ("wait", "abort"):
+            raise ValueError(f"mode: 'wait' or 'abort', got {mode!r}")
+        with self._lock:
+            self.llm_engine.engine_core.hold("pause")
+            if mode == "abort":
+                aborted = self.llm_engine.abort_request(list(self.llm_engine._children))
+                self._aborted.update({out.request_id: out for _, out in aborted})
+        self._when_idle("pause_generation", lambda core: None)
+
+    def resume_generation(self) -> None:
+        with self._lock:
+            self.llm_engine.engine_core.release("pause")
+            self._released.notify_all()
+
+    def is_paused(self) -> bool:
+        return self.llm_engine.engine_core.is_paused
+
+    def _when_idle(self, what: str, fn):
+        """``fn(engine_core)`` once no request holds KV: with requests running (another
+        thread's generate()), new ones are held until they finish."""
+        core = self.llm_engine.engine_core
+        with self._lock:
+            if core.is_idle():
+                return fn(core)
+            if not self._generating:
+                raise RuntimeError(f"{what}: {core.num_running()} request(s) are running and no generate() is "
+                                   f"stepping them")
+            core.hold(what)
+            try:
+                while not core.is_idle():
+                    self._released.wait(0.01)  # generate() steps them meanwhile (it takes the lock per step)
+                return fn(core)
+            finally:
+                core.release(what)
+                self._released.notify_all()
+
+    def _wait_while_held(self) -> None:
+        """generate()'s requests wait while the engine is asleep or paused and nothing runs."""
+        core = self.llm_engine.engine_core
+        with self._lock:
+            warned = False
+            while core._holds and core.is_idle() and core.num_waiting():
+                if not warned:
+                    logger.warning("generate(): the engine is %s; the requests wait for %s",
+                                   "asleep" if core.is_sleeping else "paused",
+                                   "wake_up()" if core.is_sleeping else "resume_generation()")
+                    warned = True
+                self._released.wait(1.0)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -111,17 +223,26 @@ class LLM:
             raise
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        self._generating += 1
         try:
             while engine.has_unfinished_requests():
-                for out in engine.step():
+                self._wait_while_held()
+                with self._lock:
+                    outputs = engine.step()
+                    outputs += [self._aborted.pop(r) for r in ids if r in self._aborted]
+                for out in outputs:
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)
+            with self._lock:
+                for out in [self._aborted.pop(r) for r in ids if r in self._aborted]:
+                    results[out.request_id] = out
         except BaseException:
             # A failed request (RequestFailedError) or an interrupt: leave the engine empty
             # for the next call.
             engine.abort_request([r for r in ids if r not in results])
             raise
         finally:
+            self._generating -= 1
             bar.close()
         return [results[r] for r in ids]

@@ -13,6 +13,7 @@ checkpoint through one open ``safe_open`` handle grows RSS by the file's size.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -140,8 +141,12 @@ class _ShardReader:
     Weight transposes) and laid out as served. Equal indices (devices holding the same
     shard) are read once."""
 
-    def __init__(self, ckpt: SafetensorsCheckpoint, weight: Weight, arch: ModelArchConfig, dtype) -> None:
+    def __init__(self, ckpt: SafetensorsCheckpoint, weight: Weight, arch: ModelArchConfig, dtype,
+                 layers: tuple[int, ...] | None = None) -> None:
+        """``layers``: read only these layers of a stacked param (``arch`` then counts
+        len(layers) layers): stacked index k is checkpoint layer layers[k]."""
         self.ckpt, self.weight, self.arch, self.dtype = ckpt, weight, arch, np.dtype(dtype)
+        self.layers = layers
         self.shape = weight.shape(arch)
         self.cache: dict[tuple, np.ndarray] = {}
 
@@ -169,7 +174,8 @@ class _ShardReader:
         if w.transpose:
             ck_index = ck_index[::-1]
         for idx in itertools.product(*(range(a, b) for a, b in bounds[:ns])):
-            data = self.ckpt.read(w.hf_name.format(**dict(zip(w.stacked, idx))), tuple(ck_index))
+            names = idx if self.layers is None else (self.layers[idx[0]], *idx[1:])
+            data = self.ckpt.read(w.hf_name.format(**dict(zip(w.stacked, names))), tuple(ck_index))
             if w.transpose:
                 data = data.T
             for axis, rel in gathers:
@@ -225,13 +231,7 @@ def stream_safetensors(model_dir: str | Path, arch: ModelArchConfig, model_cls, 
     params = {}
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for name, w in weight_map.items():
-            sharding = NamedSharding(mesh, P(*w.partition))
-            read_as = param_dtypes.get(name, dtype)
-            value = jax.make_array_from_callback(w.shape(arch), sharding, _ShardReader(ckpt, w, arch, read_as),
-                                                 dtype=read_as)
-            # Back-pressure: host-to-device copies may be asynchronous (accelerators);
-            # waiting here keeps at most one param's host buffers alive at a time.
-            value.block_until_ready()
+            value = read_param(ckpt, w, arch, mesh, param_dtypes.get(name, dtype))
             if transform is None:
                 params[name] = value
             else:
@@ -239,3 +239,18 @@ def stream_safetensors(model_dir: str | Path, arch: ModelArchConfig, model_cls, 
                 del value
             bar.update(arch.num_hidden_layers if w.per_layer else 1)
     return params
+
+
+def read_param(ckpt, weight: Weight, arch: ModelArchConfig, mesh: Mesh, dtype,
+               layers: tuple[int, ...] | None = None) -> jax.Array:
+    """One param read from ``ckpt`` (a SafetensorsCheckpoint, or anything with its
+    ``read(name, index)``: models/param_update.py's ArrayCheckpoint) in ``dtype``, shaped
+    as served for ``arch`` and placed with the partitioning ``weight`` declares; with
+    ``layers``, only those layers of a stacked param ([len(layers), ...])."""
+    if layers is not None:
+        arch = dataclasses.replace(arch, num_hidden_layers=len(layers))
+    value = jax.make_array_from_callback(weight.shape(arch), NamedSharding(mesh, P(*weight.partition)),
+                                         _ShardReader(ckpt, weight, arch, dtype, layers), dtype=dtype)
+    # Back-pressure: host-to-device copies may be asynchronous (accelerators); waiting
+    # here keeps at most one param's host buffers alive at a time.
+    return value.block_until_ready()

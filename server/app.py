@@ -33,6 +33,7 @@ from server.serving_chat import OpenAIServingChat
 from server.serving_completion import OpenAIServingCompletion
 from server.serving_tokenization import OpenAIServingTokenization
 from server.tool_parsers import get_tool_parser
+from server.weight_routes import install_weight_routes, weight_updates_enabled
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -181,7 +182,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
               default_sampling_params: dict[str, Any] | None = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None, chat_template: str | None = None,
-              enable_tokenizer_info_endpoint: bool = False, limits: ServerLimits | None = None) -> FastAPI:
+              enable_tokenizer_info_endpoint: bool = False, limits: ServerLimits | None = None,
+              enable_weight_updates: bool = False) -> FastAPI:
     """An OpenAI-compatible app over ``async_llm``. With ``api_key``, every /v1 route
     needs ``Authorization: Bearer <api_key>`` (HTTP 401 otherwise). Sampling fields a
     request leaves out come from ``default_sampling_params`` (default: the model's
@@ -192,7 +194,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
     reasoning parser defaults to the engine's (--reasoning-parser). ``chat_template``
     (a path or the template) replaces the tokenizer's. ``enable_tokenizer_info_endpoint``
     adds GET /tokenizer_info. ``limits`` (server/limits.py): body size, --protect-all-routes,
-    --trust-request-chat-template."""
+    --trust-request-chat-template. ``enable_weight_updates`` (or VLLM_SERVER_DEV_MODE=1):
+    the research loop's routes (server/weight_routes.py)."""
     max_model_len = max_model_len or async_llm.max_model_len
     if default_sampling_params is None:
         default_sampling_params = async_llm.model_config.get_diff_sampling_param()
@@ -267,9 +270,17 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
         """A generation route's body: log the request, run ``create(request, raw_request)``
         (cancelled if the client disconnects first) and respond with its response or SSE
         stream."""
+        if is_sleeping():
+            raise APIError("The engine is asleep (sleep mode); POST /wake_up first", 503)
         if not disable_log_requests:
             logger.info("%s request: %s", kind, request.model_dump_json(exclude_unset=True)[:1000])
         return respond(await _with_cancellation(create(request, raw_request), raw_request))
+
+    def is_sleeping() -> bool:
+        return bool(getattr(async_llm, "is_sleeping", lambda: False)())
+
+    def weights_version() -> int:
+        return getattr(async_llm, "weights_version", 0)
 
     @app.get("/health")
     async def health():
@@ -283,7 +294,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
 
     @app.get("/v1/models")
     async def models():
-        card = ModelCard(id=served_model_name, created=created, root=model_root, max_model_len=max_model_len)
+        card = ModelCard(id=served_model_name, created=created, root=model_root, max_model_len=max_model_len,
+                         weights_version=weights_version())
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.post("/v1/completions")
@@ -305,12 +317,16 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
     @app.get("/metrics")
     async def metrics():
         stat_logger.set_gauges(async_llm.get_stats())
+        stat_logger.gauge_weights_version.set(weights_version())
         return Response(generate_latest(stat_logger.registry), media_type=CONTENT_TYPE_LATEST)
 
     if enable_tokenizer_info_endpoint:
         @app.get("/tokenizer_info")
         async def get_tokenizer_info():
             return JSONResponse(tokenizer_info(serving_tokenization.tokenizer, chat_template))
+
+    if weight_updates_enabled(enable_weight_updates):
+        install_weight_routes(app, async_llm)
 
     # Outermost last: HEAD becomes GET before anything else sees it.
     app.add_middleware(RequestIdHeader)

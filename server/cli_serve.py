@@ -61,6 +61,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                              "(Qwen2.5 / Qwen3 / Hermes <tool_call> JSON), llama3_json (Llama 3.x JSON).")
     server.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                         help="Serve GET /tokenizer_info (the tokenizer's config and chat template).")
+    server.add_argument("--enable-weight-updates", action="store_true",
+                        help="Serve the research loop's routes: POST /update_weights_from_disk, /sleep, /wake_up, "
+                             "/reset_prefix_cache, /pause, /resume, GET /is_sleeping, /is_paused (under --api-key "
+                             "when set; VLLM_SERVER_DEV_MODE=1 does the same).")
     add_limits_args(server)
     server.add_argument("--max-num-waiting-requests", type=int, default=None,
                         help="Sequences that may wait beyond those running before requests get 503 + Retry-After "
@@ -106,7 +110,8 @@ def run_serve(args: argparse.Namespace) -> None:
                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                     reasoning_parser=config.structured_outputs_config.reasoning_parser,
                     chat_template=args.chat_template,
-                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                    enable_weight_updates=args.enable_weight_updates)
     code = serve(app, async_llm, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                  shutdown_timeout=args.shutdown_timeout, timeout_keep_alive=args.timeout_keep_alive)
     if code:

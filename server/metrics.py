@@ -42,6 +42,9 @@ class PrometheusStatLogger:
                                    lbl, registry=r).labels(model_name)
         self.gauge_waiting = Gauge("jaxserve:num_requests_waiting", "Number of requests waiting to be processed.",
                                    lbl, registry=r).labels(model_name)
+        self.gauge_weights_version = Gauge("jaxserve:weights_version",
+                                           "Version of the served weights: 0 at start, +1 per weight update.",
+                                           lbl, registry=r).labels(model_name)
         self.gauge_kv_usage = Gauge("jaxserve:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                                     lbl, registry=r).labels(model_name)
         self.gauge_prefix_hit_rate = Gauge(

@@ -3,7 +3,8 @@ the API key, then the request body's size and media type, and the OpenAPI schema
 documents the answers (400 with the error envelope, 413, 401).
 
 Authentication (with --api-key, vLLM's rules plus the tokenizer routes): every path
-under /v1, and /tokenize, /detokenize and /tokenizer_info, needs
+under /v1, /tokenize, /detokenize and /tokenizer_info, and the research loop's routes
+(WEIGHT_ROUTES) need
 ``Authorization: Bearer <key>`` (HTTP 401 with the error envelope otherwise; the
 scheme is case-insensitive). vLLM leaves the tokenizer routes open (its security
 guide lists them as unprotected); jaxserve does not, since they run client input
@@ -23,7 +24,10 @@ from server.limits import ServerLimits
 from server.protocol import ErrorResponse
 
 # Paths outside /v1 that the API key guards too (vLLM leaves them open).
-PROTECTED_EXTRA_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
+# The research loop's routes (server/weight_routes.py) change what every client gets.
+WEIGHT_ROUTES = frozenset({"/update_weights_from_disk", "/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache",
+                           "/pause", "/resume", "/is_paused"})
+PROTECTED_EXTRA_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"}) | WEIGHT_ROUTES
 
 
 def install_limits(app, limits: ServerLimits | None = None, *, api_key: str | None = None) -> None:

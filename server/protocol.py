@@ -185,6 +185,7 @@ class ModelCard(OpenAIBaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    weights_version: int | None = None  # bumped by every weight update (server/weight_routes.py)
 
 
 class ModelList(OpenAIBaseModel):

@@ -20,13 +20,14 @@ writes after it).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from jaxserve.config import DEFAULT_ITERATION_TIMEOUT_S, EngineConfig
 from jaxserve.core.kv_cache_utils import PrefixCachingMetrics
@@ -73,7 +74,19 @@ class AbortRequest:
     stream: RequestStream
 
 
-EngineCommand = AddRequest | AbortRequest
+@dataclass(frozen=True, slots=True)
+class EngineCall:
+    """Caller -> engine thread: run ``fn(engine)`` between steps and set ``future`` to
+    its result (or error). ``when_idle``: only once no request holds KV (the running
+    ones finish first; new ones wait while ``hold`` is set on the engine core)."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future
+    when_idle: bool = False
+    hold: str | None = None
+
+
+EngineCommand = AddRequest | AbortRequest | EngineCall
 
 
 # ----------------------------------------------------------------------------- AsyncLLM
@@ -102,6 +115,7 @@ class AsyncLLM:
 
         self._cond = threading.Condition()
         self._inbox: deque[EngineCommand] = deque()  # guarded by _cond
+        self._deferred: list[EngineCall] = []  # engine thread: calls waiting for the engine to be idle
         self._shutdown = False
         self._dead_error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}  # guarded by _streams_lock
@@ -319,6 +333,57 @@ class AsyncLLM:
             if stream is not None:
                 self._post(AbortRequest(stream))
 
+    # ------------------------------------------------------------------ the research loop (docs/research_loop.md)
+    async def _call(self, fn: Callable[[LLMEngine], Any], *, when_idle: bool = False, hold: str | None = None):
+        """``fn(engine)`` on the engine thread between steps (see EngineCall)."""
+        if self._dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self._dead_error!r}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(EngineCall(fn, future, when_idle, hold))
+        return await asyncio.wrap_future(future)
+
+    async def update_weights(self, weights) -> dict:
+        """LLM.update_weights's: new requests wait while the running ones finish on the
+        old weights, then the weights change and the prefix cache is reset."""
+        return await self._call(lambda e: e.engine_core.update_weights(weights), when_idle=True, hold="update")
+
+    async def sleep(self, level: int = 1) -> dict:
+        """Free the KV cache (1) or the weights too (2) once the running requests have
+        finished; new requests wait until wake_up(). Returns the bytes freed."""
+        return await self._call(lambda e: e.engine_core.sleep(level), when_idle=True, hold="update")
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call(lambda e: e.engine_core.wake_up(tags))
+
+    def is_sleeping(self) -> bool:
+        return self.engine.engine_core.is_sleeping
+
+    def is_paused(self) -> bool:
+        return self.engine.engine_core.is_paused
+
+    @property
+    def weights_version(self) -> int:
+        return self.engine.model_runner.weights_version
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call(lambda e: e.engine_core.reset_prefix_cache())
+
+    async def pause_generation(self, mode: str = "wait") -> None:
+        """Hold new requests until resume_generation(). "wait": returns once the running
+        requests have finished; "abort": every unfinished request ends now with
+        finish_reason "abort"."""
+        if mode not in ("wait", "abort"):
+            raise ValueError(f"mode: 'wait' or 'abort', got {mode!r}")
+        await self._call(lambda e: None, hold="pause")
+        if mode == "abort":
+            with self._streams_lock:
+                ids = list(self._streams)
+            self.abort(ids)
+        await self._call(lambda e: None, when_idle=True)
+
+    async def resume_generation(self) -> None:
+        await self._call(lambda e: e.engine_core.release("pause"))
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine loop; pending requests fail with EngineDeadError."""
         with self._cond:
@@ -344,12 +409,14 @@ class AsyncLLM:
         try:
             while True:
                 with self._cond:
-                    while not self._inbox and not self._shutdown and not engine.has_unfinished_requests():
+                    while (not self._inbox and not self._shutdown and not self._deferred
+                           and not engine.has_unfinished_requests()):
                         self._cond.wait()
                     if self._shutdown:
                         return
                     cmds = list(self._inbox)
                     self._inbox.clear()
+                cmds, self._deferred = self._deferred + cmds, []
                 iteration = IterationStats()
                 for cmd in cmds:
                     self._apply(cmd, iteration)
@@ -364,10 +431,13 @@ class AsyncLLM:
                     by_loop = self._collect(outputs, iteration)
                     if not outputs and engine.num_steps == steps_before:
                         # Work exists but nothing could be scheduled: wait for an inbox
-                        # change instead of spinning.
+                        # change instead of spinning (for as long as it takes while the
+                        # engine holds new requests: only a command changes that).
+                        core = engine.engine_core
+                        held = core._holds and core.is_idle() and not self._deferred
                         with self._cond:
                             if not self._inbox and not self._shutdown:
-                                self._cond.wait(0.005)
+                                self._cond.wait(None if held else 0.005)
                 # Stats first, so a caller that has seen its final output also sees it counted.
                 self._publish_stats(iteration)
                 self._deliver(by_loop)
@@ -378,6 +448,11 @@ class AsyncLLM:
             logger.exception("The engine loop failed; the engine is dead")
             self._dead_error = e
             self._fail_all_streams(EngineStepError(f"the engine failed: {e!r}"))
+            with self._cond:
+                calls = self._deferred + [c for c in self._inbox if isinstance(c, EngineCall)]
+            for call in calls:
+                if not call.future.done():
+                    call.future.set_exception(EngineDeadError(f"the engine is dead: {e!r}"))
 
     def _apply(self, cmd: EngineCommand, iteration: IterationStats) -> None:
         if isinstance(cmd, AddRequest):
@@ -389,6 +464,21 @@ class AsyncLLM:
                                                   priority=cmd.priority, cache_salt=cmd.cache_salt, stream=stream)
             except (ValueError, TypeError) as e:
                 self._send(stream, e)
+        elif isinstance(cmd, EngineCall):
+            core = self.engine.engine_core
+            if cmd.hold is not None:
+                core.hold(cmd.hold)
+            if cmd.when_idle and not core.is_idle():
+                self._deferred.append(cmd)  # tried again after the next step
+                return
+            try:
+                if not cmd.future.cancelled():
+                    cmd.future.set_result(cmd.fn(self.engine))
+            except BaseException as e:  # noqa: BLE001 — the caller gets it
+                cmd.future.set_exception(e)
+            finally:
+                if cmd.hold is not None and cmd.hold != "pause":
+                    core.release(cmd.hold)
         elif isinstance(cmd, AbortRequest):
             stream = cmd.stream
             # Only the engine request this stream was added as: the id may since have

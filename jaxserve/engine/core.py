@@ -36,6 +36,15 @@ from jaxserve.structured_output import StructuredOutputManager
 logger = logging.getLogger("jaxserve")
 
 
+@dataclasses.dataclass(frozen=True)
+class RunnerCall:
+    """A leader -> follower message besides the steps (multi-host): a ModelRunner
+    method (update_weights, sleep, wake_up) for every process to replay in order."""
+
+    method: str
+    args: tuple = ()
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model_path: str, *, progress: bool = True) -> None:
         self.config = config
@@ -62,7 +71,7 @@ class EngineCore:
             os._exit(1)
         if self._channel is not None:
             if not is_leader():
-                steps = run_follower(self.model_runner.execute_model, self._channel)
+                steps = run_follower(self._follow, self._channel)
                 logger.info("follower %d: the leader shut down after %d steps", jax.process_index(), steps)
                 raise SystemExit(0)
             atexit.register(self.shutdown)
@@ -77,6 +86,106 @@ class EngineCore:
         self._inflight = None
         self.structured_output_manager: StructuredOutputManager | None = None
         self.fault_injector: FaultInjector | None = None  # tests and drills (engine/fault_injection.py)
+        # Why new requests wait now ("pause", "sleep", "update"): the schedulers admit
+        # none while any holds (running requests go on).
+        self._holds: set[str] = set()
+
+    def _follow(self, message) -> None:
+        """A follower's handling of one leader message: a step, or a runner call. A
+        runner call that fails fails on the leader too, with the same checks and the
+        same error for its caller; the follower logs it and goes on, as the leader does."""
+        if not isinstance(message, RunnerCall):
+            self.model_runner.execute_model(message)
+            return
+        try:
+            getattr(self.model_runner, message.method)(*message.args)
+        except Exception:  # noqa: BLE001 — the leader reports it
+            logger.exception("follower %d: %s failed", jax.process_index(), message.method)
+
+    # ------------------------------------------------------------------ holds, weights, sleep (docs/research_loop.md)
+    def hold(self, reason: str) -> None:
+        """Admit no new request until ``release(reason)`` (running ones go on)."""
+        self._holds.add(reason)
+        self._set_admission()
+
+    def release(self, reason: str) -> None:
+        self._holds.discard(reason)
+        self._set_admission()
+
+    def _set_admission(self) -> None:
+        for sched in self.schedulers:
+            sched.admit_waiting = not self._holds
+
+    @property
+    def is_paused(self) -> bool:
+        return "pause" in self._holds
+
+    def num_running(self) -> int:
+        """Requests holding KV (scheduled at least once and not finished or preempted)."""
+        return sum(len(s.running) for s in self.schedulers)
+
+    def num_waiting(self) -> int:
+        return sum(len(s.waiting) for s in self.schedulers)
+
+    def is_idle(self) -> bool:
+        """No request holds KV and no step is in flight: the weights and the KV cache may change."""
+        return self._inflight is None and self.num_running() == 0
+
+    def _require_idle(self, what: str) -> None:
+        if not self.is_idle():
+            raise RuntimeError(f"{what}: {self.num_running()} request(s) are running; pause generation first "
+                               f"(pause_generation(mode='wait' or 'abort')) or let them finish")
+
+    def _replay(self, method: str, *args) -> None:
+        if self._channel is not None:
+            self._channel.publish(RunnerCall(method, args))
+
+    def update_weights(self, weights) -> dict:
+        """New weights (runner/weight_update.py) between steps, with no request holding
+        KV; the prefix cache is reset (its KV came from the old weights). Returns
+        {"version", "num_params", "seconds", "source"}."""
+        self._require_idle("update_weights")
+        if self._channel is not None:
+            from jaxserve.runner.weight_update import replayable
+
+            weights = replayable(weights)
+        self._replay("update_weights", weights)
+        info = self.model_runner.update_weights(weights)
+        self._reset_prefix_caches()
+        return info
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's; False, nothing changed, while requests hold blocks)."""
+        if not self.is_idle():
+            return False
+        return all([s.reset_prefix_cache() for s in self.schedulers])
+
+    def _reset_prefix_caches(self) -> None:
+        ok = self.reset_prefix_cache()
+        assert ok, "the prefix cache could not be reset with no request running"
+
+    def sleep(self, level: int = 1) -> dict:
+        """Free the KV cache (level 1) and the weights too (level 2) with no request
+        running; new requests wait until wake_up(). Returns the bytes freed."""
+        self._require_idle("sleep")
+        if level not in (1, 2):
+            raise ValueError(f"level: 1 (free the KV cache) or 2 (the weights too), got {level!r}")
+        self._replay("sleep", level)
+        freed = self.model_runner.sleep(level)
+        self._reset_prefix_caches()  # the cached blocks' KV is gone
+        self.hold("sleep")
+        return freed
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what sleep freed (``tags``: "weights", "kv_cache"; None: both)."""
+        self._replay("wake_up", tags)
+        self.model_runner.wake_up(tags)
+        if not self.model_runner.is_sleeping:
+            self.release("sleep")
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.model_runner.is_sleeping
 
     def attach_structured_output_manager(self, manager: StructuredOutputManager) -> None:
         """Grammar-constrained decoding (it needs the tokenizer, which the engine owns)."""

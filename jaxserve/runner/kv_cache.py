@@ -1,6 +1,7 @@
 """KV cache sizing (measured from device memory) and allocation with its sharding."""
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -123,4 +124,11 @@ def allocate_kv_cache(c: ModelArchConfig, num_blocks: int, block_size: int, dtyp
     default one per layer); rank r's block b is global page r * num_blocks + b, i.e. its
     local page b."""
     shape = kv_cache_shape(c, num_blocks * mesh.shape["data"], block_size, slots)
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_sharding(mesh))()
+    return _zeros(shape, jnp.dtype(dtype), kv_cache_sharding(mesh))()
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros(shape: tuple[int, ...], dtype, sharding):
+    """The program that makes a zeroed cache, made once per cache: waking from sleep
+    re-allocates the cache without compiling."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)

@@ -42,11 +42,13 @@ from jaxserve.runner.programs import ProgramInputs, build_step_programs
 from jaxserve.runner.setup import (kv_cache_blocks, load_draft_model, load_target_model, make_mesh,
                                    make_ngram_proposer)
 from jaxserve.runner.step_inputs import InflightStep, PreparedStep, RankStep, StepInputBuilder
+from jaxserve.runner.weight_update import WeightUpdater, device_bytes
 from models.config import attention_settings
 from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.backend import build_attention, resolve_attention_spec
 
 __all__ = ["InflightStep", "ModelRunner", "PreparedStep", "RankStep", "make_mesh"]
+
 
 logger = logging.getLogger("jaxserve")
 
@@ -86,6 +88,8 @@ class ModelRunner:
         self.arch, self.graphdef, self.state = load_target_model(config, model_path, self.mesh, self.dtype,
                                                                  self.param_dtype, progress=progress)
         self.vocab_size = self.arch.vocab_size
+        self.weights = WeightUpdater(self)  # live updates, sleep / wake (runner/weight_update.py)
+        self.sleep_level = 0  # 0 awake; 1 the KV cache freed; 2 the weights too
         if mc.batch_invariant and (self.arch.num_experts or pc.tensor_parallel_size > 1):
             logger.warning("batch_invariant: %s not covered: a row's result can still depend on its batch there "
                            "(docs/batch_invariance.md)",
@@ -162,6 +166,68 @@ class ModelRunner:
             self._sequence_logprobs = make_sequence_logprobs(self)
         ids = jax.device_put(np.asarray(token_ids, np.int32), self._replicated)
         return np.asarray(self._sequence_logprobs(self.state if state is None else state, ids))
+
+    # ------------------------------------------------------------------ weights, sleep / wake
+    def update_weights(self, weights) -> dict:
+        """New values for some or all params, with no recompile (runner/weight_update.py);
+        the caller makes sure no request holds KV. Returns {"version", "num_params",
+        "seconds", "source"}."""
+        return self.weights.update(weights)
+
+    def get_params(self):
+        """The served params as an nnx.State (the engine's own arrays, no copy)."""
+        return self.weights.get_params()
+
+    @property
+    def weights_version(self) -> int:
+        """Bumped by every update_weights (0: the weights loaded at start)."""
+        return self.weights.version
+
+    def memory_usage(self) -> dict:
+        """Bytes on the devices now: {"weights", "kv_cache"} (every shard of each array)."""
+        kv = [self.kv_cache] + ([self.draft.kv_cache] if self.draft is not None else [])
+        return {"weights": self.weights.total_bytes(),
+                "kv_cache": sum(device_bytes(c) for c in kv if c is not None)}
+
+    def sleep(self, level: int = 1) -> dict:
+        """Free the KV cache (level 1) and the weights too (level 2); the caller makes
+        sure no request holds KV. Returns the bytes freed {"weights", "kv_cache"}."""
+        if level not in (1, 2):
+            raise ValueError(f"level: 1 (free the KV cache) or 2 (the weights too), got {level!r}")
+        freed = {"weights": 0, "kv_cache": 0}
+        if self.kv_cache is not None:
+            freed["kv_cache"] = self.memory_usage()["kv_cache"]
+            self.kv_cache.delete()
+            self.kv_cache = None
+            if self.draft is not None:
+                self.draft.kv_cache.delete()
+                self.draft.kv_cache = None
+        if level == 2 and not self.weights.weights_freed:
+            freed["weights"] = self.weights.free_weights()
+        self.sleep_level = max(self.sleep_level, level)
+        return freed
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what sleep freed: ``tags`` "weights" and / or "kv_cache" (vLLM's;
+        None: both). The weights are reloaded from the folder they last came from
+        unless update_weights gave them while asleep (runner/weight_update.py)."""
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        bad = [t for t in tags if t not in ("weights", "kv_cache")]
+        if bad:
+            raise ValueError(f"tags: 'weights' and / or 'kv_cache', got {bad}")
+        if "weights" in tags:
+            self.weights.reload_weights()
+        if "kv_cache" in tags and self.kv_cache is None:
+            self.kv_cache = allocate_kv_cache(self.arch, self.num_blocks, self.block_size, self.kv_storage_dtype,
+                                              self.mesh, slots=self.kv_cache_layout.slots_per_block)
+            if self.draft is not None:
+                self.draft.allocate_kv_cache(self.num_blocks)
+        awake_kv, awake_weights = self.kv_cache is not None, not self.weights.weights_freed
+        self.sleep_level = 0 if awake_kv and awake_weights else (2 if not awake_weights else 1)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
 
     @property
     def attention_backend(self) -> str:

@@ -138,6 +138,9 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished since the last schedule(): sent to the runner so it drops their state.
         self.finished_req_ids: set[str] = set()
+        # False while the engine holds new work (paused, asleep, a weight update waiting
+        # for the running requests to finish): waiting requests stay in the queue.
+        self.admit_waiting = True
         self.num_preemptions = 0
         self.check_invariants = check_invariants
         self.structured_output_manager = structured_output_manager
@@ -258,7 +261,7 @@ class Scheduler:
         # 2. Waiting requests, in queue order, unless this step had to preempt. Those
         # whose grammar is still compiling are passed over (and keep their place).
         skipped_waiting: list[Request] = []
-        if not preempted_reqs:
+        if not preempted_reqs and self.admit_waiting:
             while self.waiting and token_budget > 0:
                 if len(self.running) == self.max_num_running_reqs:
                     break

@@ -1,0 +1,86 @@
+"""The research loop's routes (vLLM's and SGLang's names), served with
+``--enable-weight-updates`` (or vLLM's ``VLLM_SERVER_DEV_MODE=1``) and behind
+``--api-key`` when one is set (server/middleware.py: WEIGHT_ROUTES):
+
+    POST /update_weights_from_disk  {"model_path": folder}  -> {"success", "message", "weights_version", ...}
+    POST /sleep?level=1|2            -> {"freed_bytes": {"weights", "kv_cache"}}
+    POST /wake_up[?tags=weights&tags=kv_cache]
+    GET  /is_sleeping                -> {"is_sleeping": bool}
+    POST /reset_prefix_cache         -> {"success": bool}
+    POST /pause?mode=wait|abort, POST /resume, GET /is_paused -> {"is_paused": bool}
+
+While the engine is asleep, the generation routes answer 503 (server/app.py).
+"""
+from __future__ import annotations
+
+import os
+
+from fastapi import FastAPI, Query
+from pydantic import BaseModel
+
+from jaxserve.engine.async_llm import AsyncLLM
+from server.errors import APIError, bad_request
+
+
+def weight_updates_enabled(flag: bool) -> bool:
+    """--enable-weight-updates, or vLLM's development-mode switch."""
+    return flag or os.environ.get("VLLM_SERVER_DEV_MODE", "0") == "1"
+
+
+class UpdateWeightsFromDiskRequest(BaseModel):
+    model_path: str
+
+
+def install_weight_routes(app: FastAPI, async_llm: AsyncLLM) -> None:
+    async def control(call):
+        """A control call's errors as the API's: a bad value is a 400, a busy engine a 409."""
+        try:
+            return await call
+        except (ValueError, TypeError, FileNotFoundError) as e:
+            raise bad_request(str(e)) from None
+        except RuntimeError as e:
+            raise APIError(str(e), 409) from None
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: UpdateWeightsFromDiskRequest):
+        if not os.path.isdir(request.model_path):
+            raise bad_request(f"model_path: {request.model_path!r} is not a folder on the server", "model_path")
+        info = await control(async_llm.update_weights(request.model_path))
+        return {"success": True, "message": f"weights updated from {request.model_path}",
+                "weights_version": info["version"], "num_params": info["num_params"], "seconds": info["seconds"]}
+
+    @app.post("/sleep")
+    async def sleep(level: int = Query(1)):
+        if level not in (1, 2):
+            raise bad_request(f"level: 1 (free the KV cache) or 2 (the weights too), got {level}", "level")
+        freed = await control(async_llm.sleep(level))
+        return {"freed_bytes": freed}
+
+    @app.post("/wake_up")
+    async def wake_up(tags: list[str] | None = Query(None)):
+        await control(async_llm.wake_up(tags))
+        return {"is_sleeping": async_llm.is_sleeping()}
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return {"is_sleeping": async_llm.is_sleeping()}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        return {"success": await control(async_llm.reset_prefix_cache())}
+
+    @app.post("/pause")
+    async def pause(mode: str = Query("wait")):
+        if mode not in ("wait", "abort"):
+            raise bad_request(f"mode: 'wait' or 'abort', got {mode!r}", "mode")
+        await control(async_llm.pause_generation(mode))
+        return {"is_paused": True}
+
+    @app.post("/resume")
+    async def resume():
+        await control(async_llm.resume_generation())
+        return {"is_paused": False}
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": async_llm.is_paused()}
