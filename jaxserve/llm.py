@@ -78,6 +78,17 @@ class LLM:
         {"version", "num_params", "seconds", "source"}."""
         return self._when_idle("update_weights", lambda core: core.update_weights(weights))
 
+    def get_logprobs_fn(self):
+        """A trainer's ``fn(params, token_ids) -> logprobs`` for this model: ``params`` of
+        ``get_params()``'s structure, token_ids [T] int32, logprobs [T - 1] float32
+        (entry i: log p(token i + 1 | tokens 0..i)); a jitted, differentiable JAX function
+        (``jax.grad``, ``jax.vmap``) with the engine's own model code, its attention the
+        reference one (runner/dense_forward.py). Use float32 params (``weight_dtype=
+        "float32"``) to train on them."""
+        from jaxserve.runner.dense_forward import make_sequence_logprobs
+
+        return make_sequence_logprobs(self.llm_engine.model_runner, trainable=True)
+
     def get_params(self):
         """The served params, an ``nnx.State`` of the engine's own arrays (no copy): what
         a JAX trainer updates and hands back to ``update_weights``. Their dtypes are the

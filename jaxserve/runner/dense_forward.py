@@ -14,6 +14,13 @@ The returned function is ``fn(state, token_ids [T] int32) -> logprobs [T - 1] fl
 (jitted; one compile per length T): logprob of token i + 1 given tokens 0..i, from the
 raw logits, as the engine's logprobs are. ``state`` is the runner's parameter pytree
 (``ModelRunner.state``) or one of the same structure and shardings, e.g. a trainer's.
+
+``trainable=True`` gives the trainer's version (the research loop, docs/research_loop.md):
+``fn(params, token_ids)`` with ``params`` the engine's params alone (``get_params()``'s
+structure, the rest of the state added inside), differentiable: a dense causal attention
+over the one sequence (``causal_attention``; the paged kernels and the reference's
+dynamic loops have no gradient) and XLA's products, so its numbers agree with the
+engine's up to rounding, not bitwise.
 """
 from __future__ import annotations
 
@@ -28,17 +35,21 @@ from jaxserve.runner.programs import traced_products
 from jaxserve.sample.sampler import compute_logprobs
 from models.config import attention_settings
 from pallas_kernels.attention_metadata import AttentionMetadata
+from models.quantization import native_products
 from pallas_kernels.backend import build_attention
 
 
-def make_sequence_logprobs(runner) -> Callable:
+def make_sequence_logprobs(runner, *, trainable: bool = False) -> Callable:
     """``fn(state, token_ids [T]) -> [T - 1]`` for ``runner``'s model (see the module
-    docstring). One device's program: a tensor-parallel engine's sharded weights are
-    refused (ValueError); data-parallel ranks hold the whole model and are fine."""
+    docstring; ``trainable``: ``fn(params, token_ids)``, differentiable). One device's
+    program: a tensor-parallel engine's sharded weights are refused (ValueError);
+    data-parallel ranks hold the whole model and are fine."""
     if runner.mesh.shape["model"] > 1:
         raise ValueError("sequence logprobs run the model on one device: tensor_parallel_size must be 1")
     arch, layout, block = runner.arch, runner.kv_cache_layout, runner.block_size
     groups, pmax = layout.num_groups, runner.max_blocks_per_req
+    if trainable:
+        return _trainable_logprobs(runner)
     attention = build_attention(runner.attention_spec, None, **attention_settings(arch),
                                 layer_group=layout.layer_group, layer_slot=layout.layer_slot)
     batch_invariant = runner.config.model_config.batch_invariant
@@ -65,3 +76,52 @@ def make_sequence_logprobs(runner) -> Callable:
 
     # The products of a one-device program (the engine's step decides them the same way).
     return jax.jit(traced_products(None, batch_invariant)(forward))
+
+
+def causal_attention(sm_scale: float, sliding_window: int | None = None, sliding_window_layers=None,
+                     soft_cap: float | None = None) -> Callable:
+    """The model's ``attention_fn`` for one whole sequence, dense and differentiable:
+    q [T, N, H], k / v [T, K, H] -> o [T, N, H] (grouped-query heads; causal; a window of
+    ``sliding_window`` keys on the layers ``sliding_window_layers`` marks, all when None;
+    Gemma's score soft cap). No KV cache: the one passed through comes back as it is."""
+    windows = None if sliding_window is None or sliding_window_layers is None else tuple(
+        bool(w) for w in sliding_window_layers)
+
+    def attention(q, k, v, kv_cache, layer, md):
+        t, n, h = q.shape
+        kh = k.shape[1]
+        qf = q.astype(jnp.float32).reshape(t, kh, n // kh, h)
+        s = jnp.einsum("tkgh,skh->kgts", qf, k.astype(jnp.float32)) * sm_scale
+        if soft_cap:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        pos = jnp.arange(t)
+        mask = pos[None, :] <= pos[:, None]  # [query, key]
+        if sliding_window is not None:
+            near = pos[None, :] > pos[:, None] - sliding_window
+            if windows is not None:  # only some layers slide (layer: an int, or traced in the scan)
+                near = near | ~jnp.asarray(windows)[layer]
+            mask = mask & near
+        p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+        o = jnp.einsum("kgts,skh->tkgh", p, v.astype(jnp.float32))
+        return o.reshape(t, n, h).astype(q.dtype), kv_cache
+
+    return attention
+
+
+def _trainable_logprobs(runner) -> Callable:
+    """``fn(params, token_ids [T]) -> [T - 1]``, differentiable (see the module docstring)."""
+    attention = causal_attention(**attention_settings(runner.arch))
+    graphdef = runner.graphdef
+    rest = nnx.filter_state(runner.state, nnx.Not(nnx.Param))  # the rope tables: constants
+
+    def forward(params, token_ids):
+        t = token_ids.shape[0]
+        positions = jnp.arange(t, dtype=jnp.int32)
+        model = nnx.merge(graphdef, nnx.merge_state(rest, params))
+        with native_products(False):  # XLA's products: the native kernel has no gradient
+            hidden, _ = model(token_ids, positions, jnp.zeros((1,), jnp.float32), None, attention)
+            logits = model.compute_logits(hidden)
+        lse = jax.nn.logsumexp(logits[:-1], axis=-1)
+        return jnp.take_along_axis(logits[:-1], token_ids[1:, None], axis=-1)[:, 0] - lse
+
+    return jax.jit(forward)

@@ -5,8 +5,11 @@ The same script on every process, as a user would run it: ``LLM(...)`` returns o
 process 0 only (followers replay its steps inside the constructor and exit 0 when
 it shuts down). Process 0 prints the greedy tokens as one JSON line "TOKENS [...]".
 
-usage: llm_worker.py MODEL PROCESS_ID PORT TP DP SCENARIO
-  scenarios: once (generate, print, exit), forever (generate until killed; prints "STEP")
+usage: llm_worker.py MODEL PROCESS_ID PORT TP DP SCENARIO [OTHER_MODEL]
+  scenarios: once (generate, print, exit), forever (generate until killed; prints "STEP"),
+  update (the research loop, replayed on the follower: OTHER_MODEL's folder, sleep 1 / wake,
+  MODEL's tensors as a dict, sleep 2 + OTHER_MODEL's folder while asleep + wake; prints
+  "TOKENS" after each)
 """
 from __future__ import annotations
 
@@ -33,6 +36,19 @@ def main() -> int:
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = llm.generate(prompts(), sp, use_tqdm=False)
     print("TOKENS", json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+    if scenario == "update":
+        from pathlib import Path
+
+        from safetensors.numpy import load_file
+
+        other = sys.argv[7]
+        for change in ([("update_weights", other)], [("sleep", 1), ("wake_up", None)],
+                       [("update_weights", load_file(str(Path(model) / "model.safetensors")))],
+                       [("sleep", 2), ("update_weights", other), ("wake_up", None)]):
+            for method, arg in change:
+                getattr(llm, method)(arg)
+            outs = llm.generate(prompts(), sp, use_tqdm=False)
+            print("TOKENS", json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
     step = 0
     while scenario == "forever":
         llm.generate(prompts(), sp, use_tqdm=False)

@@ -27,20 +27,23 @@ def model(tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp("mh_llm"), "llama", heads=8, kv_heads=2, vocab=1013)
 
 
-def _start(model, tmp_path, tp, dp, scenario):
+def _start(model, tmp_path, tp, dp, scenario, *extra):
     port = free_port()
-    return [Proc(f"p{pid}", [str(WORKER), str(model), str(pid), str(port), str(tp), str(dp), scenario], tmp_path)
+    return [Proc(f"p{pid}", [str(WORKER), str(model), str(pid), str(port), str(tp), str(dp), scenario,
+                             *map(str, extra)], tmp_path)
             for pid in (0, 1)]
 
 
+def _all_tokens(proc) -> list:
+    return [json.loads(x[len("TOKENS "):]) for x in proc.out.splitlines() if x.startswith("TOKENS ")]
+
+
 def _tokens(proc) -> list:
-    line = next(x for x in proc.out.splitlines() if x.startswith("TOKENS "))
-    return json.loads(line[len("TOKENS "):])
+    return _all_tokens(proc)[0]
 
 
-@pytest.fixture(scope="module")
-def reference(model):
-    """The same requests on one process."""
+def _one_process(model) -> list:
+    """The worker's requests on one process."""
     import llm_worker
 
     llm = LLM(str(model), max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=2 << 20,
@@ -48,6 +51,35 @@ def reference(model):
     outs = llm.generate(llm_worker.prompts(), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                         use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return _one_process(model)
+
+
+@pytest.mark.timeout(300)
+def test_weight_updates_and_sleep_are_replayed_on_the_follower(model, reference, tmp_path_factory, tmp_path):
+    """update_weights (a folder, a dict), sleep / wake (levels 1 and 2) on process 0 are
+    replayed on process 1: the tokens are one process's on the same weights."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+    from hf_factory import make_tiny_hf_model
+
+    other = make_tiny_hf_model(tmp_path_factory.mktemp("mh_llm_other"), "llama", heads=8, kv_heads=2, vocab=1013,
+                               seed=1)
+    other_reference = _one_process(other)
+    assert other_reference != reference
+    leader, follower = procs = _start(model, tmp_path, 4, 2, "update", other)
+    try:
+        assert leader.wait(240) == 0, leader.err[-3000:]
+        assert follower.wait(60) == 0, follower.err[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+    assert "failed" not in follower.err, follower.err[-3000:]
+    assert _all_tokens(leader) == [reference, other_reference, other_reference, reference, other_reference]
 
 
 @pytest.mark.timeout(300)

@@ -219,3 +219,15 @@ def test_update_under_tp_moe_and_quantization(tiny_models, arch, kw):
         llm.update_weights(tensors(b))
     assert compiles[1] == 0  # no new variant of a serving program (the int8 quantizer may compile once)
     assert_same(run(llm), want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])  # gemma: sliding layers, soft caps
+def test_trainer_logprobs_fn_agrees_with_the_engine_and_differentiates(tiny_models, arch):
+    llm = LLM(str(tiny_models(arch, seed=0)), **KW, dtype="float32", weight_dtype="float32")
+    fn = llm.get_logprobs_fn()
+    ids = np.random.default_rng(0).integers(3, 500, 30).astype(np.int32)  # longer than the 8-token window
+    params = llm.get_params()
+    np.testing.assert_allclose(np.asarray(fn(params, ids)), llm.sequence_logprobs(ids)[0], atol=1e-4)
+    grads = jax.grad(lambda p: fn(p, ids).sum())(params)
+    norms = [float(np.linalg.norm(np.asarray(g))) for g in jax.tree.leaves(grads)]
+    assert all(np.isfinite(norms)) and min(norms) > 0
