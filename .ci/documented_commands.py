@@ -61,6 +61,22 @@ curl -sf localhost:8000/v1/completions -H 'Content-Type: application/json' \
   -d '{"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 4}'
 kill -INT $L; wait $L; wait $F
 """, 600, r'"text"'),
+    # docs/research_loop.md: the example, the benchmark (one repeat) and the server's routes as written.
+    ("rl_grpo example", f"{PY} examples/rl_grpo.py --steps 8", 600, r"step +7 +mean reward"),
+    ("bench_weight_update", f"{PY} benchmarks/bench_weight_update.py --repeats 1", 600,
+     r"compiles during updates, sleep and wake: 0\ngreedy outputs after == before: True"),
+    ("weight routes", r"""
+.venv/bin/jaxserve serve --enable-weight-updates & S=$!
+for i in $(seq 300); do curl -sf localhost:8000/v1/models >/dev/null && break; sleep 1; done
+MODEL_DIR=$(.venv/bin/python -c 'from models.default_model import default_model_dir; print(default_model_dir())')
+curl -sf -X POST localhost:8000/update_weights_from_disk -H 'Content-Type: application/json' \
+  -d "{\"model_path\": \"$MODEL_DIR\"}"
+curl -sf -X POST 'localhost:8000/sleep?level=1'
+curl -sf localhost:8000/is_sleeping
+curl -sf -X POST localhost:8000/wake_up
+curl -sf -X POST 'localhost:8000/pause?mode=wait'; curl -sf -X POST localhost:8000/resume
+kill -INT $S; wait $S
+""", 600, r'(?s)"weights_version":1.*"kv_cache":\d+.*"is_sleeping":true.*"is_sleeping":false.*"is_paused":false'),
     ("soak (long run: JAXSERVE_SOAK_REQUESTS=5000)",
      "JAXSERVE_SOAK_REQUESTS=24 JAXSERVE_SOAK_CONCURRENCY=8 .venv/bin/pytest -q -s "
      "tests/server/test_soak.py", 600, r"\d+ passed"),
