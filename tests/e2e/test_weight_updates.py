@@ -204,13 +204,15 @@ def test_pause_wait_and_abort_offline(models, monkeypatch):
         assert len(done["later"][0]) == len(PROMPTS)
 
 
-@pytest.mark.devices(2)
+@pytest.mark.devices(4)
 @pytest.mark.parametrize("arch,kw", [("qwen3_moe", dict(tensor_parallel_size=2)),
-                                     ("llama", dict(tensor_parallel_size=2, weight_dtype="bfloat16")),
+                                     ("qwen3_moe", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+                                     ("llama", dict(tensor_parallel_size=2, data_parallel_size=2,
+                                                    weight_dtype="bfloat16")),
                                      ("llama", dict(quantization="int8"))])
-def test_update_under_tp_moe_and_quantization(tiny_models, arch, kw):
-    """A MoE model and a bf16-weight model at tp 2, and an int8 model re-quantized:
-    a dict update gives the fresh engine's outputs."""
+def test_update_under_tp_dp_ep_moe_and_quantization(tiny_models, arch, kw):
+    """A MoE model at tp 2 and expert parallel 2, a bf16-weight model at tp 2 x dp 2, and
+    an int8 model re-quantized: a dict update gives the fresh engine's outputs."""
     a, b = tiny_models(arch, seed=0), tiny_models(arch, seed=1)
     want = run(LLM(str(b), **KW, **kw))
     llm = LLM(str(a), **KW, **kw)
