@@ -132,10 +132,14 @@ class LLM:
             raise ValueError(f"mode: 'wait' or 'abort', got {mode!r}")
         with self._lock:
             self.llm_engine.engine_core.hold("pause")
-            if mode == "abort":
-                aborted = self.llm_engine.abort_request(list(self.llm_engine._children))
-                self._aborted.update({out.request_id: out for _, out in aborted})
-        self._when_idle("pause_generation", lambda core: None)
+            try:
+                if mode == "abort":
+                    aborted = self.llm_engine.abort_request(list(self.llm_engine._children))
+                    self._aborted.update({out.request_id: out for _, out in aborted})
+                self._when_idle("pause_generation", lambda core: None)
+            except BaseException:
+                self.llm_engine.engine_core.release("pause")
+                raise
 
     def resume_generation(self) -> None:
         with self._lock:
@@ -155,13 +159,14 @@ class LLM:
             if not self._generating:
                 raise RuntimeError(f"{what}: {core.num_running()} request(s) are running and no generate() is "
                                    f"stepping them")
-            core.hold(what)
+            hold = f"call:{what}"  # its own hold: fn may set and keep another ("sleep")
+            core.hold(hold)
             try:
                 while not core.is_idle():
                     self._released.wait(0.01)  # generate() steps them meanwhile (it takes the lock per step)
                 return fn(core)
             finally:
-                core.release(what)
+                core.release(hold)
                 self._released.notify_all()
 
     def _wait_while_held(self) -> None:
@@ -221,17 +226,18 @@ class LLM:
     def _run(self, items, *, use_tqdm: bool, priority=None) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
-        try:
-            for i, (prompt, sp, add_special) in enumerate(items):
-                rid = str(self._counter)
-                self._counter += 1
-                sp = sp.replace(output_kind=RequestOutputKind.FINAL_ONLY)
-                engine.add_request(rid, prompt, sp, add_special_tokens=add_special,
-                                   priority=priority[i] if priority else 0)
-                ids.append(rid)
-        except Exception:
-            engine.abort_request(ids)
-            raise
+        with self._lock:  # pause_generation("abort") from another thread sees all of them or none
+            try:
+                for i, (prompt, sp, add_special) in enumerate(items):
+                    rid = str(self._counter)
+                    self._counter += 1
+                    sp = sp.replace(output_kind=RequestOutputKind.FINAL_ONLY)
+                    engine.add_request(rid, prompt, sp, add_special_tokens=add_special,
+                                       priority=priority[i] if priority else 0)
+                    ids.append(rid)
+            except Exception:
+                engine.abort_request(ids)
+                raise
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         self._generating += 1

@@ -16,10 +16,12 @@ from __future__ import annotations
 import os
 
 from fastapi import FastAPI, Query
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from jaxserve.engine.async_llm import AsyncLLM
-from server.errors import APIError, bad_request
+from jaxserve.engine.exceptions import EngineDeadError
+from server.errors import APIError, bad_request, engine_dead
 
 
 def weight_updates_enabled(flag: bool) -> bool:
@@ -33,19 +35,30 @@ class UpdateWeightsFromDiskRequest(BaseModel):
 
 def install_weight_routes(app: FastAPI, async_llm: AsyncLLM) -> None:
     async def control(call):
-        """A control call's errors as the API's: a bad value is a 400, a busy engine a 409."""
+        """A control call's errors as the API's: a bad value is a 400, a state that does
+        not allow the call (e.g. waking with weights that cannot be re-read) a 409, a dead
+        engine a 503; anything else (a device error) the 500 of the app's handler."""
         try:
             return await call
         except (ValueError, TypeError, FileNotFoundError) as e:
             raise bad_request(str(e)) from None
+        except EngineDeadError as e:
+            raise engine_dead(f"The engine is dead: {e}") from None
         except RuntimeError as e:
+            if type(e) is not RuntimeError:  # a JAX / XLA runtime error is not a conflict
+                raise
             raise APIError(str(e), 409) from None
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: UpdateWeightsFromDiskRequest):
-        if not os.path.isdir(request.model_path):
-            raise bad_request(f"model_path: {request.model_path!r} is not a folder on the server", "model_path")
-        info = await control(async_llm.update_weights(request.model_path))
+        try:
+            if not os.path.isdir(request.model_path):
+                raise bad_request(f"model_path: {request.model_path!r} is not a folder on the server", "model_path")
+            info = await control(async_llm.update_weights(request.model_path))
+        except APIError as e:
+            # SGLang's clients read "success" / "message"; vLLM's the error envelope: both.
+            body = e.to_response().model_dump() | {"success": False, "message": e.message}
+            return JSONResponse(body, status_code=e.status)
         return {"success": True, "message": f"weights updated from {request.model_path}",
                 "weights_version": info["version"], "num_params": info["num_params"], "seconds": info["seconds"]}
 

@@ -336,10 +336,12 @@ class AsyncLLM:
     # ------------------------------------------------------------------ the research loop (docs/research_loop.md)
     async def _call(self, fn: Callable[[LLMEngine], Any], *, when_idle: bool = False, hold: str | None = None):
         """``fn(engine)`` on the engine thread between steps (see EngineCall)."""
-        if self._dead_error is not None:
-            raise EngineDeadError(f"the engine is dead: {self._dead_error!r}")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(EngineCall(fn, future, when_idle, hold))
+        with self._cond:  # checked and posted at once: a dying engine fails what it holds
+            if self._dead_error is not None or self._shutdown:
+                raise EngineDeadError(f"the engine is dead: {self._dead_error!r}")
+            self._inbox.append(EngineCall(fn, future, when_idle, hold))
+            self._cond.notify()
         return await asyncio.wrap_future(future)
 
     async def update_weights(self, weights) -> dict:
@@ -397,6 +399,7 @@ class AsyncLLM:
         if self._dead_error is None:
             self._dead_error = EngineDeadError("the engine was shut down")
         self._fail_all_streams(EngineDeadError("the engine was shut down"))
+        self._fail_pending_calls(EngineDeadError("the engine was shut down"))
 
     # ------------------------------------------------------------------ engine thread
     def _post(self, cmd: EngineCommand) -> None:
@@ -448,11 +451,7 @@ class AsyncLLM:
             logger.exception("The engine loop failed; the engine is dead")
             self._dead_error = e
             self._fail_all_streams(EngineStepError(f"the engine failed: {e!r}"))
-            with self._cond:
-                calls = self._deferred + [c for c in self._inbox if isinstance(c, EngineCall)]
-            for call in calls:
-                if not call.future.done():
-                    call.future.set_exception(EngineDeadError(f"the engine is dead: {e!r}"))
+            self._fail_pending_calls(EngineDeadError(f"the engine is dead: {e!r}"))
 
     def _apply(self, cmd: EngineCommand, iteration: IterationStats) -> None:
         if isinstance(cmd, AddRequest):
@@ -468,14 +467,19 @@ class AsyncLLM:
             core = self.engine.engine_core
             if cmd.hold is not None:
                 core.hold(cmd.hold)
-            if cmd.when_idle and not core.is_idle():
+            # Calls run in the order they came: once one waits for the engine to be idle,
+            # the later ones wait behind it (a wake_up never overtakes its sleep).
+            if self._deferred or (cmd.when_idle and not core.is_idle()):
                 self._deferred.append(cmd)  # tried again after the next step
                 return
             try:
-                if not cmd.future.cancelled():
-                    cmd.future.set_result(cmd.fn(self.engine))
-            except BaseException as e:  # noqa: BLE001 — the caller gets it
-                cmd.future.set_exception(e)
+                if cmd.future.set_running_or_notify_cancel():  # False: the caller gave up
+                    try:
+                        result = cmd.fn(self.engine)
+                    except Exception as e:  # noqa: BLE001 — the caller gets it
+                        cmd.future.set_exception(e)
+                    else:
+                        cmd.future.set_result(result)
             finally:
                 if cmd.hold is not None and cmd.hold != "pause":
                     core.release(cmd.hold)
@@ -594,7 +598,17 @@ class AsyncLLM:
                 logger.error("%s; the engine is dead", error)
                 self._dead_error = error
                 self._fail_all_streams(EngineStepError(f"the engine failed: {error}"))
+                self._fail_pending_calls(EngineDeadError(f"the engine is dead: {error}"))
                 return
+
+    def _fail_pending_calls(self, error: BaseException) -> None:
+        """Every EngineCall not run yet fails with ``error`` (the engine died or shut down)."""
+        with self._cond:
+            calls = self._deferred + [c for c in self._inbox if isinstance(c, EngineCall)]
+            self._deferred = []
+        for call in calls:
+            if call.future.set_running_or_notify_cancel():
+                call.future.set_exception(error)
 
     def _fail_all_streams(self, error: BaseException) -> None:
         with self._streams_lock:

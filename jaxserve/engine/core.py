@@ -161,8 +161,8 @@ class EngineCore:
         return all([s.reset_prefix_cache() for s in self.schedulers])
 
     def _reset_prefix_caches(self) -> None:
-        ok = self.reset_prefix_cache()
-        assert ok, "the prefix cache could not be reset with no request running"
+        if not self.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset with no request running")
 
     def sleep(self, level: int = 1) -> dict:
         """Free the KV cache (level 1) and the weights too (level 2) with no request

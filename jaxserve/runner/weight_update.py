@@ -30,6 +30,7 @@ and waking asks for an update first.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -94,7 +95,7 @@ class WeightUpdater:
         arch = runner.arch
         from models.config import ModelArchConfig
 
-        self._arch_fields = _shape_fields(ModelArchConfig.from_pretrained(runner.model_path))
+        self._arch_fields = _arch_fields(ModelArchConfig.from_pretrained(runner.model_path))
         self._quantized = set(quantized_names(self.model_cls.weight_map(arch))) if arch.quantization else set()
         self._quantize = (quantizer(self.model_cls.weight_map(arch), runner.mesh, arch.quantization)
                           if arch.quantization in ("int8", "fp8") else None)
@@ -122,12 +123,16 @@ class WeightUpdater:
         source = str(weights) if kind == "folder" else None
         read = {"folder": lambda: self._from_folder(Path(weights)), "pytree": lambda: self._from_pytree(weights),
                 "arrays": lambda: self._from_arrays(weights)}
-        new = read[kind]()
-        if self.weights_freed and set(new) != set(self.specs):
-            missing = sorted(_path_str(p) for p in set(self.specs) - set(new))
-            raise ValueError(f"update_weights: the weights are freed (sleep level 2), so an update must give every "
-                             f"param; missing {len(missing)}, e.g. {missing[:3]}")
-        jax.block_until_ready(list(new.values()))
+
+        def build():
+            new = read[kind]()
+            if self.weights_freed and set(new) != set(self.specs):
+                missing = sorted(_path_str(p) for p in set(self.specs) - set(new))
+                raise ValueError(f"update_weights: the weights are freed (sleep level 2), so an update must give "
+                                 f"every param; missing {len(missing)}, e.g. {missing[:3]}")
+            return new
+
+        new = self._build_everywhere(build)
         self._apply(new)
         self.version += 1
         self.source = source if kind == "folder" else None
@@ -135,6 +140,22 @@ class WeightUpdater:
         logger.info("Updated %d param arrays from %s in %.2f s (weights version %d)", len(new),
                     source or kind, seconds, self.version)
         return {"version": self.version, "num_params": len(new), "seconds": seconds, "source": kind}
+
+    @staticmethod
+    def _build_everywhere(build) -> dict[Path_, jax.Array]:
+        """``build()``'s new leaves, ready, once every process has built its own: in a
+        multi-host run all processes keep their old weights unless all have the new ones
+        (a folder missing on one host must not leave the others serving other weights).
+        The error of this process, or a RuntimeError naming another's failure."""
+        try:
+            new = jax.block_until_ready(build())
+            error = None
+        except Exception as e:  # noqa: BLE001 — re-raised below, once the other processes know
+            new, error = None, e
+        if not _all_processes_agree(error is None):
+            raise error or RuntimeError("update_weights failed on another process (its log says why); "
+                                        "the old weights keep serving")
+        return new
 
     def _apply(self, new: dict[Path_, jax.Array]) -> None:
         """Swap the new leaves in (cannot fail: every check ran before)."""
@@ -222,11 +243,11 @@ class WeightUpdater:
         if not (folder / "config.json").is_file():
             raise ValueError(f"update_weights: {folder} is not a model folder (no config.json)")
         runner = self.runner
-        ours, theirs = self._arch_fields, _shape_fields(ModelArchConfig.from_pretrained(folder))
+        ours, theirs = self._arch_fields, _arch_fields(ModelArchConfig.from_pretrained(folder))
         if theirs != ours:
-            diff = {k: (v, theirs[k]) for k, v in ours.items() if theirs[k] != v}
-            raise ValueError(f"update_weights: {folder} holds another model ({diff} as (served, folder)); "
-                             f"an update keeps the architecture and its shapes")
+            diff = {k: (v, theirs.get(k)) for k, v in ours.items() if theirs.get(k) != v}
+            raise ValueError(f"update_weights: {folder}'s config.json describes another model (differs in "
+                             f"{diff} as (served, folder)); an update keeps the model's configuration")
         _, _, state = load_target_model(runner.config, str(folder), runner.mesh, runner.dtype, runner.param_dtype,
                                         progress=False)
         new = {}
@@ -240,10 +261,14 @@ class WeightUpdater:
 
     # ------------------------------------------------------------------ sleep / wake
     def free_weights(self) -> int:
-        """Delete every param's arrays (sleep level 2); returns the bytes freed."""
+        """Drop the engine's references to every param's arrays (sleep level 2): their
+        memory goes back unless someone else holds them (a trainer's arrays handed over
+        with no copy stay the trainer's: nothing is deleted under it). Returns the bytes
+        the engine held."""
         freed = self.total_bytes()
-        for _, var in nnx.to_flat_state(nnx.filter_state(self.runner.state, nnx.Param)):
-            var.get_value().delete()
+        self.runner.state = nnx.from_flat_state([
+            (p, v.replace(_abstract(*self.specs[p])) if p in self.specs else v)
+            for p, v in nnx.to_flat_state(self.runner.state)])
         self.weights_freed = True
         return freed
 
@@ -254,7 +279,7 @@ class WeightUpdater:
         if self.source is None:
             raise RuntimeError("wake_up: the weights were freed (sleep level 2) and last came from arrays, which "
                                "cannot be re-read; call update_weights() with the weights first")
-        self._apply(self._from_folder(Path(self.source)))
+        self._apply(self._build_everywhere(lambda: self._from_folder(Path(self.source))))
 
 
 def weights_kind(weights) -> str:
@@ -262,13 +287,26 @@ def weights_kind(weights) -> str:
     structure) or "arrays" (HF names -> arrays); TypeError otherwise."""
     if isinstance(weights, (str, os.PathLike)):
         return "folder"
-    if isinstance(weights, nnx.State) or (isinstance(weights, Mapping) and any(
-            isinstance(v, (Mapping, nnx.Variable)) for v in weights.values())):
+    # HF checkpoint names always have a dot ("lm_head.weight"); the engine's top-level
+    # param names never do ("embed_tokens").
+    if isinstance(weights, nnx.State) or (isinstance(weights, Mapping) and weights and (
+            any(isinstance(v, (Mapping, nnx.Variable)) for v in weights.values())
+            or all(isinstance(k, str) and "." not in k for k in weights))):
         return "pytree"
     if isinstance(weights, Mapping):
         return "arrays"
     raise TypeError(f"weights: a folder path, a mapping of HF checkpoint names to arrays, or the engine's param "
                     f"pytree (get_params()), got {type(weights).__name__}")
+
+
+def _all_processes_agree(ok: bool) -> bool:
+    """Whether ``ok`` holds on every process (one all-gather of a flag in a multi-host
+    run; each process calls this at the same point: the runner calls replay in order)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
 
 
 def replayable(weights):
@@ -282,16 +320,22 @@ def replayable(weights):
     return str(weights) if kind == "folder" else {k: np.asarray(v) for k, v in weights.items()}
 
 
-def _shape_fields(arch) -> dict:
-    """What fixes the params' shapes and the compiled programs."""
-    names = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "head_dim", "tie_word_embeddings", "num_experts")
-    return {n: getattr(arch, n, None) for n in names}
+def _arch_fields(arch) -> dict:
+    """What config.json fixes in the served model: the shapes, and what the programs and
+    the non-param state bake in (rope, norms' epsilon, soft caps, windows). The KV cache
+    scales are the checkpoint's, read at start: an update keeps them."""
+    fields = dataclasses.asdict(arch)
+    fields.pop("kv_cache_scales", None)
+    return fields
 
 
 def device_bytes(value: jax.Array) -> int:
     """Bytes of ``value`` on this process's devices (every shard; 0 once deleted)."""
     return 0 if value.is_deleted() else sum(s.data.nbytes for s in value.addressable_shards)
+
+
+def _abstract(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
 def _get(state, path):

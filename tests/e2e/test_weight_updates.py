@@ -106,8 +106,7 @@ def test_partial_updates_and_bad_input(models, fresh):
         ({"model.layers.0.self_attn.nope.weight": ta[q]}, "'model.layers.0.self_attn.nope.weight' is not a parameter"),
         ({q: ta[q][:, :8]}, f"'{q}' has shape \\(64, 8\\); this model's is \\(64, 64\\)"),
         ({q: ta[q].astype(np.int32)}, f"weights\\['{q}'\\]: dtype int32 is not a float dtype"),
-        # every expert / stacked tensor of a layer: here the loader's own per-layer names
-        ({"model.layers.2.self_attn.q_proj.weight": ta[q]}, "is not a parameter"),
+        ({"model.layers.2.self_attn.q_proj.weight": ta[q]}, "is not a parameter"),  # 2 layers: 0 and 1
         ({("layers", "q_proj"): ta[q]}, "names must be str"),
         ({"layers": {"q_proj": np.zeros((2, 64, 8), np.float32)}}, "'layers/q_proj' has shape \\(2, 64, 8\\)"),
         ({"layers": {"nope": np.zeros(3, np.float32)}}, "'layers/nope' is not a param of the served model"),
@@ -119,6 +118,26 @@ def test_partial_updates_and_bad_input(models, fresh):
             llm.update_weights(weights)
     assert llm.weights_version == version
     assert_same(run(llm), fresh[0])  # the old weights still serve
+
+
+@pytest.mark.parametrize("arch,kw", [("llama", dict(scan_layers=False)), ("llama", dict(weight_dtype="bfloat16")),
+                                     ("llama", dict(quantization="int8")), ("qwen3_moe", {})])
+def test_partial_updates_in_every_layout(tiny_models, arch, kw):
+    """Layer 1, then the rest, of checkpoint a onto an engine on b: a's outputs, with the
+    layers unrolled (an array per layer), stored as bf16 bit patterns, int8 with scales,
+    and MoE experts stacked per layer (a layer must come with all its experts)."""
+    a, b = tiny_models(arch, seed=0), tiny_models(arch, seed=1)
+    want = run(LLM(str(a), **KW, **kw))
+    llm = LLM(str(b), **KW, **kw)
+    ta = tensors(a)
+    if arch == "qwen3_moe":
+        one_short = {k: v for k, v in ta.items() if ".layers.1.mlp.experts." in k and ".experts.3." not in k}
+        with pytest.raises(ValueError, match=r"'model.layers.1.mlp.experts.3.\w+.weight' is missing"):
+            llm.update_weights(one_short)
+    llm.update_weights({k: v for k, v in ta.items() if ".layers.1." in k})
+    assert run(llm)[0] != want[0]
+    llm.update_weights({k: v for k, v in ta.items() if ".layers.1." not in k})
+    assert_same(run(llm), want)
 
 
 def test_sleep_and_wake(models, fresh):
@@ -165,6 +184,34 @@ def test_sleep_and_wake(models, fresh):
     llm.wake_up()
     worker.join(60)
     assert_same(done["out"], fresh[1])
+
+    # sleep() while another thread's generate() runs: its requests finish first, and
+    # those made after it wait (the engine must not run without its KV cache).
+    long = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)
+    first = threading.Thread(target=lambda: done.update(first=llm.generate(PROMPTS, long, use_tqdm=False)))
+    first.start()
+    while llm.llm_engine.engine_core.num_running() == 0:
+        time.sleep(0.002)
+    llm.sleep(1)
+    first.join(60)
+    assert {o.outputs[0].finish_reason for o in done["first"]} == {"length"}
+    later = threading.Thread(target=lambda: done.update(later=run(llm)))
+    later.start()
+    time.sleep(0.3)
+    assert later.is_alive() and llm.is_sleeping()
+    llm.wake_up()
+    later.join(60)
+    assert_same(done["later"], fresh[1])
+
+    # sleep(2) drops the engine's references, never a trainer's arrays handed over with no copy.
+    params = llm.get_params()
+    llm.update_weights(params)
+    llm.sleep(2)
+    assert np.isfinite(np.asarray(params["norm"].get_value())).all()
+    llm.update_weights(params)  # the trainer's arrays again, while asleep
+    llm.wake_up()
+    assert_same(run(llm), fresh[1])
+    llm.update_weights({"norm": np.asarray(params["norm"].get_value())})  # a top-level param as a pytree
 
 
 def test_pause_wait_and_abort_offline(models, monkeypatch):

@@ -82,6 +82,17 @@ def test_update_weights_from_disk_and_the_version(http, engine, tiny_model_dir, 
     for body, param in [({"model_path": str(tiny_model_dir / "nope")}, "model_path"), ({}, "model_path")]:
         r = http.post("/update_weights_from_disk", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = http.post("/update_weights_from_disk", json={"model_path": str(tiny_model_dir / "nope")})
+    assert r.json()["success"] is False and "is not a folder" in r.json()["message"]  # SGLang's fields too
+
+    # A caller that gives up (cancelled before the engine ran it) leaves the engine well.
+    async def give_up():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.update_weights(str(other_model)), timeout=1e-6)
+
+    asyncio.run(give_up())
+    greedy(http)  # still serving (a 200), on whichever weights the call left
+    assert not engine.errored
     assert http.post("/sleep", params={"level": 3}).status_code == 400
     assert http.post("/pause", params={"mode": "keep"}).status_code == 400
 
