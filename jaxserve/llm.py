@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import DEFAULT_MAX_MODEL_LEN
 from jaxserve.engine.arg_utils import EngineArgs
+from jaxserve.engine.core import pause_mode
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
 from jaxserve.runner.compilation_cache import enable_compilation_cache
@@ -124,19 +125,22 @@ class LLM:
         with self._lock:
             return self.llm_engine.engine_core.reset_prefix_cache()
 
-    def pause_generation(self, mode: str = "wait") -> None:
-        """Hold new requests until ``resume_generation()``: "wait" lets the running ones
-        finish (returns when they have), "abort" ends every unfinished request now
-        (finish_reason "abort")."""
-        if mode not in ("wait", "abort"):
-            raise ValueError(f"mode: 'wait' or 'abort', got {mode!r}")
+    def pause_generation(self, mode: str = "abort", *, wait_for_inflight_requests: bool | None = None,
+                         clear_cache: bool = True) -> None:
+        """Hold new requests until ``resume_generation()`` (vLLM's): "abort" (the default)
+        ends every unfinished request now (finish_reason "abort"), "wait" lets the running
+        ones finish; it returns once none runs. ``wait_for_inflight_requests`` (vLLM's
+        older spelling) picks the mode when given. ``clear_cache``: reset the prefix
+        cache then."""
+        mode = pause_mode(mode, wait_for_inflight_requests)
         with self._lock:
             self.llm_engine.engine_core.hold("pause")
             try:
                 if mode == "abort":
                     aborted = self.llm_engine.abort_request(list(self.llm_engine._children))
                     self._aborted.update({out.request_id: out for _, out in aborted})
-                self._when_idle("pause_generation", lambda core: None)
+                self._when_idle("pause_generation",
+                                lambda core: core.reset_prefix_cache() if clear_cache else None)
             except BaseException:
                 self.llm_engine.engine_core.release("pause")
                 raise

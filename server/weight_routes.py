@@ -7,7 +7,8 @@
     POST /wake_up[?tags=weights&tags=kv_cache]
     GET  /is_sleeping                -> {"is_sleeping": bool}
     POST /reset_prefix_cache         -> {"success": bool}
-    POST /pause?mode=wait|abort, POST /resume, GET /is_paused -> {"is_paused": bool}
+    POST /pause?mode=abort|wait (or vLLM's wait_for_inflight_requests=false|true; clear_cache=true),
+    POST /resume, GET /is_paused -> {"is_paused": bool}
 
 While the engine is asleep, the generation routes answer 503 (server/app.py).
 """
@@ -83,10 +84,12 @@ def install_weight_routes(app: FastAPI, async_llm: AsyncLLM) -> None:
         return {"success": await control(async_llm.reset_prefix_cache())}
 
     @app.post("/pause")
-    async def pause(mode: str = Query("wait")):
+    async def pause(mode: str = Query("abort"), wait_for_inflight_requests: bool | None = Query(None),
+                    clear_cache: bool = Query(True)):
         if mode not in ("wait", "abort"):
-            raise bad_request(f"mode: 'wait' or 'abort', got {mode!r}", "mode")
-        await control(async_llm.pause_generation(mode))
+            raise bad_request(f"mode: 'abort' or 'wait', got {mode!r}", "mode")
+        await control(async_llm.pause_generation(mode, wait_for_inflight_requests=wait_for_inflight_requests,
+                                                 clear_cache=clear_cache))
         return {"is_paused": True}
 
     @app.post("/resume")

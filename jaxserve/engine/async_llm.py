@@ -32,7 +32,7 @@ from typing import Any, AsyncIterator, Callable
 from jaxserve.config import DEFAULT_ITERATION_TIMEOUT_S, EngineConfig
 from jaxserve.core.kv_cache_utils import PrefixCachingMetrics
 from jaxserve.engine.arg_utils import EngineArgs
-from jaxserve.engine.core import combine_stats
+from jaxserve.engine.core import combine_stats, pause_mode
 from jaxserve.engine.exceptions import EngineDeadError, EngineOverloadedError, EngineStepError
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.request_stream import _ABORTED, RequestStream, deliver
@@ -370,18 +370,18 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self._call(lambda e: e.engine_core.reset_prefix_cache())
 
-    async def pause_generation(self, mode: str = "wait") -> None:
-        """Hold new requests until resume_generation(). "wait": returns once the running
-        requests have finished; "abort": every unfinished request ends now with
-        finish_reason "abort"."""
-        if mode not in ("wait", "abort"):
-            raise ValueError(f"mode: 'wait' or 'abort', got {mode!r}")
+    async def pause_generation(self, mode: str = "abort", *, wait_for_inflight_requests: bool | None = None,
+                               clear_cache: bool = True) -> None:
+        """LLM.pause_generation's: hold new requests until resume_generation(); "abort"
+        (the default) ends every unfinished request now with finish_reason "abort",
+        "wait" lets the running ones finish; returns once none runs."""
+        mode = pause_mode(mode, wait_for_inflight_requests)
         await self._call(lambda e: None, hold="pause")
         if mode == "abort":
             with self._streams_lock:
                 ids = list(self._streams)
             self.abort(ids)
-        await self._call(lambda e: None, when_idle=True)
+        await self._call(lambda e: e.engine_core.reset_prefix_cache() if clear_cache else None, when_idle=True)
 
     async def resume_generation(self) -> None:
         await self._call(lambda e: e.engine_core.release("pause"))

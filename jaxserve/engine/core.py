@@ -36,6 +36,16 @@ from jaxserve.structured_output import StructuredOutputManager
 logger = logging.getLogger("jaxserve")
 
 
+def pause_mode(mode: str, wait_for_inflight_requests: bool | None = None) -> str:
+    """pause_generation's mode, "abort" or "wait" (vLLM's ``wait_for_inflight_requests``
+    picks it when given); ValueError otherwise."""
+    if wait_for_inflight_requests is not None:
+        return "wait" if wait_for_inflight_requests else "abort"
+    if mode not in ("wait", "abort"):
+        raise ValueError(f"mode: 'abort' or 'wait', got {mode!r}")
+    return mode
+
+
 @dataclasses.dataclass(frozen=True)
 class RunnerCall:
     """A leader -> follower message besides the steps (multi-host): a ModelRunner

@@ -156,6 +156,8 @@ class ModelRunner:
         """Logprobs [T - 1] of tokens 1..T-1 of one sequence given the ones before, in one
         forward with this engine's model and ``state`` (default: its own params;
         runner/dense_forward.py). Bitwise the engine's sampled logprobs in batch-invariant mode."""
+        if self.weights.weights_freed and state is None:
+            raise RuntimeError("sequence_logprobs: the weights are freed (sleep level 2); wake_up() first")
         if len(token_ids) < 2 or len(token_ids) > self.max_model_len:
             raise ValueError(f"token_ids: a sequence of 2 to max_model_len={self.max_model_len} tokens, "
                              f"got {len(token_ids)}")

@@ -127,6 +127,7 @@ def test_partial_updates_in_every_layout(tiny_models, arch, kw):
     layers unrolled (an array per layer), stored as bf16 bit patterns, int8 with scales,
     and MoE experts stacked per layer (a layer must come with all its experts)."""
     a, b = tiny_models(arch, seed=0), tiny_models(arch, seed=1)
+    kw = dict(kw, enforce_eager=True)  # the programs a few steps use, compiled on first use
     want = run(LLM(str(a), **KW, **kw))
     llm = LLM(str(b), **KW, **kw)
     ta = tensors(a)
@@ -166,6 +167,8 @@ def test_sleep_and_wake(models, fresh):
     llm.sleep(2)
     with pytest.raises(RuntimeError, match="call update_weights"):
         llm.wake_up()
+    with pytest.raises(RuntimeError, match="the weights are freed"):
+        llm.sequence_logprobs([1, 2, 3])
     with pytest.raises(ValueError, match="the weights are freed"):
         llm.update_weights({k: v for k, v in tensors(a).items() if ".layers.1." in k})
     llm.update_weights(tensors(b))
@@ -261,6 +264,7 @@ def test_update_under_tp_dp_ep_moe_and_quantization(tiny_models, arch, kw):
     """A MoE model at tp 2 and expert parallel 2, a bf16-weight model at tp 2 x dp 2, and
     an int8 model re-quantized: a dict update gives the fresh engine's outputs."""
     a, b = tiny_models(arch, seed=0), tiny_models(arch, seed=1)
+    kw = dict(kw, enforce_eager=True)  # the programs a few steps use, compiled on first use
     want = run(LLM(str(b), **KW, **kw))
     llm = LLM(str(a), **KW, **kw)
     assert run(llm)[0] != want[0]
@@ -272,7 +276,7 @@ def test_update_under_tp_dp_ep_moe_and_quantization(tiny_models, arch, kw):
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])  # gemma: sliding layers, soft caps
 def test_trainer_logprobs_fn_agrees_with_the_engine_and_differentiates(tiny_models, arch):
-    llm = LLM(str(tiny_models(arch, seed=0)), **KW, dtype="float32", weight_dtype="float32")
+    llm = LLM(str(tiny_models(arch, seed=0)), **KW, dtype="float32", weight_dtype="float32", enforce_eager=True)
     fn = llm.get_logprobs_fn()
     ids = np.random.default_rng(0).integers(3, 500, 30).astype(np.int32)  # longer than the 8-token window
     params = llm.get_params()

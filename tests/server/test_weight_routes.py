@@ -116,12 +116,13 @@ def _stream(http, max_tokens: int, out: dict, key: str) -> None:
 
 
 def test_pause_abort_wait_and_resume(http, engine):
-    for mode, reason in (("abort", "abort"), ("wait", "length")):
+    for query, reason in (({}, "abort"), ({"mode": "wait"}, "length"),
+                          ({"wait_for_inflight_requests": "true", "clear_cache": "false"}, "length")):
         out = {}
         worker = threading.Thread(target=_stream, args=(http, 200, out, "first"))
         worker.start()
         assert wait_until(lambda: engine.engine.engine_core.num_running() > 0, 30)
-        r = http.post("/pause", params={"mode": mode})
+        r = http.post("/pause", params=query)
         assert r.status_code == 200 and http.get("/is_paused").json() == {"is_paused": True}
         worker.join(60)
         assert out["first"] == reason
