@@ -13,7 +13,6 @@ layers (every tensor of each layer it names: all of a MoE layer's experts).
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ from jax.sharding import Mesh
 
 from models.config import ModelArchConfig
 from models.sharding import checkpoint_arch
-from models.weights import read_param
+from models.weights import checkpoint_tensors, ignored_tensors, read_param
 
 
 @dataclass(frozen=True)
@@ -82,29 +81,22 @@ def plan_update(ckpt, arch: ModelArchConfig, model_cls, extra_ignored: tuple[str
     shape other than the checkpoint's, or some but not all tensors of one layer of a
     param. Reads no data."""
     stored = checkpoint_arch(arch)
-    ignored = re.compile("|".join(f"(?:{r})" for r in model_cls.ignored_hf_tensors(stored) + extra_ignored) or "(?!)")
-    owner: dict[str, tuple[str, tuple[int, ...]]] = {}
-    expected: dict[str, tuple[int, ...]] = {}
+    ignored = ignored_tensors(arch, model_cls, extra_ignored)
+    expected = checkpoint_tensors(arch, model_cls)
     weight_map = model_cls.weight_map(stored)
-    for name, w in weight_map.items():
-        want = w.shape(stored)[len(w.stacked):]
-        want = tuple(want[::-1] if w.transpose else want)
-        for idx, hf_name in w.tensor_names(stored):
-            owner[hf_name], expected[hf_name] = (name, idx), want
     given: dict[str, set[tuple[int, ...]]] = {}
     unknown = []
     for hf_name, info in ckpt.tensors.items():
-        if hf_name not in owner:
+        if hf_name not in expected:
             if not ignored.fullmatch(hf_name):
                 unknown.append(hf_name)
             continue
-        if tuple(info.shape) != expected[hf_name]:
-            raise ValueError(f"update_weights: {hf_name!r} has shape {tuple(info.shape)}; this model's is "
-                             f"{expected[hf_name]}")
-        name, idx = owner[hf_name]
+        name, idx, want = expected[hf_name]
+        if tuple(info.shape) != want:
+            raise ValueError(f"update_weights: {hf_name!r} has shape {tuple(info.shape)}; this model's is {want}")
         given.setdefault(name, set()).add(idx)
     if unknown:
-        example = next(iter(owner))
+        example = next(iter(expected))
         raise ValueError(f"update_weights: {unknown[0]!r} is not a parameter of this {arch.architecture} model "
                          f"({len(unknown)} unknown name(s); the names are the HF checkpoint's, e.g. {example!r})")
     plan = []

@@ -185,27 +185,42 @@ class _ShardReader:
         return out
 
 
+def checkpoint_tensors(arch: ModelArchConfig, model_cls) -> dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """Every checkpoint tensor the model reads: HF name -> (our param name, its index on
+    the param's stacked axes, the shape the checkpoint stores it in)."""
+    stored = checkpoint_arch(arch)
+    out = {}
+    for param, w in model_cls.weight_map(stored).items():
+        want = w.shape(stored)[len(w.stacked):]
+        want = tuple(want[::-1] if w.transpose else want)
+        for idx, name in w.tensor_names(stored):
+            out[name] = (param, idx, want)
+    return out
+
+
+def ignored_tensors(arch: ModelArchConfig, model_cls, extra_ignored: tuple[str, ...] = ()) -> re.Pattern:
+    """The checkpoint tensors that may stay unread (the model's harmless extras: saved
+    rotary buffers, a tied lm_head copy; plus ``extra_ignored``), as one pattern."""
+    regexes = model_cls.ignored_hf_tensors(checkpoint_arch(arch)) + extra_ignored
+    return re.compile("|".join(f"(?:{r})" for r in regexes) or "(?!)")
+
+
 def check_checkpoint_names(ckpt: SafetensorsCheckpoint, arch: ModelArchConfig, model_cls,
                            extra_ignored: tuple[str, ...] = ()) -> None:
     """Every tensor the model needs is there with the expected shape, and no other
     tensor is left over (the model lists the harmless ones: saved rotary buffers, a
     tied lm_head copy): a leftover means the checkpoint does math this decoder would
     skip. Reads the headers only."""
-    stored = checkpoint_arch(arch)
-    ignored = re.compile("|".join(f"(?:{r})" for r in model_cls.ignored_hf_tensors(stored) + extra_ignored) or "(?!)")
+    ignored = ignored_tensors(arch, model_cls, extra_ignored)
     used = set()
-    for w in model_cls.weight_map(stored).values():
-        shape = w.shape(stored)
-        want = shape[len(w.stacked):]
-        want = want[::-1] if w.transpose else want
-        for _, name in w.tensor_names(stored):
-            if name not in ckpt.tensors:
-                raise ValueError(f"{ckpt.model_dir}: the checkpoint has no tensor {name!r}, "
-                                 f"which {arch.architecture} needs")
-            if ckpt.tensors[name].shape != tuple(want):
-                raise ValueError(f"{ckpt.model_dir}: tensor {name!r} has shape {ckpt.tensors[name].shape}; "
-                                 f"config.json implies {tuple(want)}")
-            used.add(name)
+    for name, (_, _, want) in checkpoint_tensors(arch, model_cls).items():
+        if name not in ckpt.tensors:
+            raise ValueError(f"{ckpt.model_dir}: the checkpoint has no tensor {name!r}, "
+                             f"which {arch.architecture} needs")
+        if ckpt.tensors[name].shape != want:
+            raise ValueError(f"{ckpt.model_dir}: tensor {name!r} has shape {ckpt.tensors[name].shape}; "
+                             f"config.json implies {want}")
+        used.add(name)
     unused = sorted(n for n in ckpt.tensors if n not in used and not ignored.fullmatch(n))
     if unused:
         raise ValueError(f"{ckpt.model_dir}: {len(unused)} checkpoint tensor(s) that {arch.architecture} as "

@@ -21,6 +21,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.engine.core import pause_mode
+from jaxserve.runner.weight_update import check_sleep_level
 from jaxserve.engine.exceptions import EngineDeadError
 from server.errors import APIError, bad_request, engine_dead
 
@@ -65,8 +67,10 @@ def install_weight_routes(app: FastAPI, async_llm: AsyncLLM) -> None:
 
     @app.post("/sleep")
     async def sleep(level: int = Query(1)):
-        if level not in (1, 2):
-            raise bad_request(f"level: 1 (free the KV cache) or 2 (the weights too), got {level}", "level")
+        try:
+            check_sleep_level(level)
+        except ValueError as e:
+            raise bad_request(str(e), "level") from None
         freed = await control(async_llm.sleep(level))
         return {"freed_bytes": freed}
 
@@ -86,8 +90,10 @@ def install_weight_routes(app: FastAPI, async_llm: AsyncLLM) -> None:
     @app.post("/pause")
     async def pause(mode: str = Query("abort"), wait_for_inflight_requests: bool | None = Query(None),
                     clear_cache: bool = Query(True)):
-        if mode not in ("wait", "abort"):
-            raise bad_request(f"mode: 'abort' or 'wait', got {mode!r}", "mode")
+        try:
+            pause_mode(mode)
+        except ValueError as e:
+            raise bad_request(str(e), "mode") from None
         await control(async_llm.pause_generation(mode, wait_for_inflight_requests=wait_for_inflight_requests,
                                                  clear_cache=clear_cache))
         return {"is_paused": True}

@@ -42,7 +42,7 @@ from jaxserve.runner.programs import ProgramInputs, build_step_programs
 from jaxserve.runner.setup import (kv_cache_blocks, load_draft_model, load_target_model, make_mesh,
                                    make_ngram_proposer)
 from jaxserve.runner.step_inputs import InflightStep, PreparedStep, RankStep, StepInputBuilder
-from jaxserve.runner.weight_update import WeightUpdater, device_bytes
+from jaxserve.runner.weight_update import WeightUpdater, check_sleep_level, device_bytes
 from models.config import attention_settings
 from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.backend import build_attention, resolve_attention_spec
@@ -194,8 +194,7 @@ class ModelRunner:
     def sleep(self, level: int = 1) -> dict:
         """Free the KV cache (level 1) and the weights too (level 2); the caller makes
         sure no request holds KV. Returns the bytes freed {"weights", "kv_cache"}."""
-        if level not in (1, 2):
-            raise ValueError(f"level: 1 (free the KV cache) or 2 (the weights too), got {level!r}")
+        check_sleep_level(level)
         freed = {"weights": 0, "kv_cache": 0}
         if self.kv_cache is not None:
             freed["kv_cache"] = self.memory_usage()["kv_cache"]

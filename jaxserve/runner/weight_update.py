@@ -31,6 +31,7 @@ and waking asks for an update first.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -93,12 +94,16 @@ class WeightUpdater:
             layer = path[1] if len(path) == 3 and isinstance(path[1], int) else None
             self.leaves_of.setdefault(path[-1], []).append((path, layer))
         arch = runner.arch
-        from models.config import ModelArchConfig
-
-        self._arch_fields = _arch_fields(ModelArchConfig.from_pretrained(runner.model_path))
         self._quantized = set(quantized_names(self.model_cls.weight_map(arch))) if arch.quantization else set()
         self._quantize = (quantizer(self.model_cls.weight_map(arch), runner.mesh, arch.quantization)
                           if arch.quantization in ("int8", "fp8") else None)
+
+    @functools.cached_property
+    def _arch_fields(self) -> dict:
+        """The served model's configuration, read on the first folder update (not at start)."""
+        from models.config import ModelArchConfig
+
+        return _arch_fields(ModelArchConfig.from_pretrained(self.runner.model_path))
 
     # ------------------------------------------------------------------ reading
     def get_params(self) -> nnx.State:
@@ -280,6 +285,11 @@ class WeightUpdater:
             raise RuntimeError("wake_up: the weights were freed (sleep level 2) and last came from arrays, which "
                                "cannot be re-read; call update_weights() with the weights first")
         self._apply(self._build_everywhere(lambda: self._from_folder(Path(self.source))))
+
+
+def check_sleep_level(level) -> None:
+    if level not in (1, 2):
+        raise ValueError(f"level: 1 (free the KV cache) or 2 (the weights too), got {level!r}")
 
 
 def weights_kind(weights) -> str:
