@@ -206,6 +206,32 @@ class StructuredOutputsConfig:
                                  f"got {self.reasoning_parser!r}")
 
 
+# vLLM's allowed --max-lora-rank values.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's LoRAConfig; jaxserve/lora). ``max_loras`` adapters can
+    run in one step (device slots); ``max_lora_rank`` is every slot's rank (smaller
+    adapters are zero padded); ``max_cpu_loras`` adapters are kept on the host (LRU;
+    None: max_loras)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_loras, int) or self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {list(LORA_RANKS)}, got {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
+
+
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
@@ -287,6 +313,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig | None = None  # None: LoRA off (--enable-lora turns it on)
     # Padded sizes the runner compiles for; None: powers of two from the floor up to the max.
     token_buckets: tuple[int, ...] | None = None
     request_buckets: tuple[int, ...] | None = None
@@ -308,3 +335,12 @@ class EngineConfig:
         # scheduling does not wait for (vLLM refused the pair too, at first).
         if sc.async_scheduling and self.speculative_config is not None:
             raise ValueError("async_scheduling does not work with speculative_config yet; use one or the other")
+        if self.lora_config is not None:
+            pc = self.parallel_config
+            # The adapters' device slots are one set for the whole mesh, and the per-step
+            # cap on distinct adapters is each scheduler's: with several ranks (or
+            # processes replaying the leader's steps) the slots could be asked for more.
+            if pc.data_parallel_size > 1:
+                raise ValueError("enable_lora does not work with data_parallel_size > 1 yet")
+            if (pc.num_processes or 1) > 1:
+                raise ValueError("enable_lora does not work across processes (num_processes > 1) yet")

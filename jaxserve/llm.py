@@ -67,6 +67,20 @@ class LLM:
         runner = self.llm_engine.model_runner
         return [runner.sequence_logprobs([int(t) for t in s]) for s in seqs]
 
+    # ------------------------------------------------------------------ LoRA adapters (docs/lora.md)
+    def add_lora(self, lora_request) -> bool:
+        """Load a LoRA adapter (a jaxserve.lora.LoRARequest naming a PEFT folder) ahead of
+        its first request; a bad adapter is a ValueError. True when it was read now."""
+        return self.llm_engine.engine_core.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter by its lora_int_id (requests running with it finish with it)."""
+        return self.llm_engine.engine_core.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The lora_int_ids of the adapters held in host memory."""
+        return self.llm_engine.engine_core.list_loras()
+
     # ------------------------------------------------------------------ the research loop (docs/research_loop.md)
     def update_weights(self, weights) -> dict:
         """Serve new weights, with no recompile: ``weights`` is a folder (safetensors or
@@ -204,19 +218,31 @@ class LLM:
         return list(sampling_params)
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 priority: list[int] | None = None, lora_request=None) -> list[RequestOutput]:
         """prompts: a str / {"prompt_token_ids": [...]} dict, or a list of them;
         sampling_params: one for all, a list (one per prompt), or None for
-        ``get_default_sampling_params()``. Returns one RequestOutput per prompt, in input order."""
+        ``get_default_sampling_params()``; lora_request: a jaxserve.lora.LoRARequest for
+        all prompts, a list (one per prompt, None: the base model), or None (needs
+        ``enable_lora=True``). Returns one RequestOutput per prompt, in input order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = self._params_list(len(prompts), sampling_params)
         return self._run(
-            [(p, sp, True) for p, sp in zip(prompts, params)], use_tqdm=use_tqdm, priority=priority)
+            [(p, sp, True) for p, sp in zip(prompts, params)], use_tqdm=use_tqdm, priority=priority,
+            loras=self._lora_list(len(prompts), lora_request))
+
+    @staticmethod
+    def _lora_list(n: int, lora_request) -> list:
+        if lora_request is None or not isinstance(lora_request, (list, tuple)):
+            return [lora_request] * n
+        if len(lora_request) != n:
+            raise ValueError(f"got {len(lora_request)} lora_request for {n} prompts")
+        return list(lora_request)
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """messages: one conversation (a list of {"role", "content"}) or a list of them."""
+             chat_template: str | None = None, lora_request=None) -> list[RequestOutput]:
+        """messages: one conversation (a list of {"role", "content"}) or a list of them;
+        lora_request as in generate()."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = self._params_list(len(convs), sampling_params)
         items = []
@@ -225,9 +251,9 @@ class LLM:
                                                       chat_template=chat_template)
             # The template already holds the special tokens (BOS etc.).
             items.append((text, sp, False))
-        return self._run(items, use_tqdm=use_tqdm)
+        return self._run(items, use_tqdm=use_tqdm, loras=self._lora_list(len(convs), lora_request))
 
-    def _run(self, items, *, use_tqdm: bool, priority=None) -> list[RequestOutput]:
+    def _run(self, items, *, use_tqdm: bool, priority=None, loras=None) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
         with self._lock:  # pause_generation("abort") from another thread sees all of them or none
@@ -237,7 +263,8 @@ class LLM:
                     self._counter += 1
                     sp = sp.replace(output_kind=RequestOutputKind.FINAL_ONLY)
                     engine.add_request(rid, prompt, sp, add_special_tokens=add_special,
-                                       priority=priority[i] if priority else 0)
+                                       priority=priority[i] if priority else 0,
+                                       lora_request=loras[i] if loras else None)
                     ids.append(rid)
             except Exception:
                 engine.abort_request(ids)

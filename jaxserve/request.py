@@ -61,7 +61,7 @@ class Request:
         "num_cached_tokens", "num_preemptions", "max_tokens", "block_hashes",
         "_all_token_ids", "_output_token_ids", "_block_hasher", "structured_output_request",
         "spec_token_ids", "num_spec_drafted", "num_spec_accepted", "spec_disabled",
-        "num_output_placeholders",
+        "num_output_placeholders", "lora_request",
     )
 
     def __init__(
@@ -76,6 +76,7 @@ class Request:
         cache_salt: str | None = None,
         block_hasher: Callable[["Request"], list[bytes]] | None = None,
         max_tokens: int | None = None,
+        lora_request=None,
     ) -> None:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -86,6 +87,9 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # The LoRA adapter it runs with (jaxserve/lora/request.py), None: the base model.
+        # Set before the block hashes: the adapter is part of every block's hash.
+        self.lora_request = lora_request
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0

@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from models.base import MODEL, CausalLM, Weight, make_param
 from models.batch_invariance import rowwise
 from models.config import ModelArchConfig, hf_common_fields
+from models.lora import LORA_A, LORA_B, LORA_MASK, LORA_ON
 from models.quantization import linear, matmul, matmul_weight_names, param_map, scan_safe
 from models.rope import apply_rope, rope_inv_freq
 from pallas_kernels.attention_metadata import AttentionMetadata
@@ -224,19 +225,27 @@ class LlamaForCausalLM(CausalLM):
         h = h + attn
         return h + self.mlp(self.norm_fn(h, lw["post_attention_layernorm"]), lw), kv_cache
 
-    def __call__(self, input_ids, positions, kv_cache, md: AttentionMetadata, attention_fn: Callable):
+    def __call__(self, input_ids, positions, kv_cache, md: AttentionMetadata, attention_fn: Callable, lora=None):
         """input_ids, positions: [T] int32; kv_cache: [L, P, S, 2K, H].
         attention_fn(q, k, v, kv_cache, layer, md) -> (o [T, N, H], kv_cache).
+        lora: None, or the LoRA adapters of the step (models/lora.py): (buffers
+        {projection: (a [L, in, S*R], b [L, S*R, out])}, mask [T, S*R], on: bool scalar).
         Returns (hidden [T, D] after the final norm, kv_cache)."""
         c = self.config
         h = self.embed(input_ids)
         names = [n for n, w in param_map(type(self), c).items() if w.per_layer]
+        lora_layers, lora_step = {}, {}
+        if lora is not None:
+            buffers, mask, on = lora
+            for n, (a, b) in buffers.items():
+                lora_layers[n + LORA_A], lora_layers[n + LORA_B] = a, b
+            lora_step = {LORA_MASK: mask.astype(h.dtype), LORA_ON: on}
 
         def layer_fn(h, kv_cache, lw, layer):
-            return self.decoder_layer(h, kv_cache, lw, layer, positions, md, attention_fn)
+            return self.decoder_layer(h, kv_cache, lw | lora_step, layer, positions, md, attention_fn)
 
         if self.scan_layers:
-            stacked = {n: getattr(self.layers, n)[...] for n in names}
+            stacked = {n: getattr(self.layers, n)[...] for n in names} | lora_layers
 
             def body(carry, xs):
                 h, kv = carry
@@ -247,7 +256,8 @@ class LlamaForCausalLM(CausalLM):
             (h, kv_cache), _ = jax.lax.scan(body, (h, kv_cache), (stacked, jnp.arange(c.num_hidden_layers)))
         else:
             for i, weights in enumerate(self.layers):
-                h, kv_cache = layer_fn(h, kv_cache, {n: getattr(weights, n)[...] for n in names}, i)
+                lw = {n: getattr(weights, n)[...] for n in names} | {n: x[i] for n, x in lora_layers.items()}
+                h, kv_cache = layer_fn(h, kv_cache, lw, i)
         return self.norm_fn(h, self.norm[...]), kv_cache
 
     def compute_logits(self, hidden):

@@ -229,14 +229,29 @@ def scan_safe(tree, restore: bool = False):
 
 
 def linear(x, lw: dict, name: str):
-    """x @ lw[name] (``matmul``), dequantizing an int8 / fp8 weight by its per-column scale after the product."""
+    """x @ lw[name] (``matmul``), dequantizing an int8 / fp8 weight by its per-column scale
+    after the product; plus the LoRA adapters' update when the layer carries their buffers
+    (models/lora.py: lw[name + "_lora_a"] [in, S*R], lw[name + "_lora_b"] [S*R, out],
+    the step's per-token slot mask lw["_lora_mask"] [T, S*R] and lw["_lora_on"], whether
+    any token has an adapter)."""
     w = lw[name]
     scale = lw.get(name + SCALE)
     if scale is None:
-        return matmul(x, w)
-    wide = w.astype(x.dtype)
-    product = invariant_matmul(x, wide, native=False) if batch_invariance.active() else x @ wide
-    return (product * scale).astype(x.dtype)
+        y = matmul(x, w)
+    else:
+        wide = w.astype(x.dtype)
+        product = invariant_matmul(x, wide, native=False) if batch_invariance.active() else x @ wide
+        y = (product * scale).astype(x.dtype)
+    a = lw.get(name + "_lora_a")
+    if a is None:
+        return y
+    b, mask = lw[name + "_lora_b"], lw["_lora_mask"]
+
+    def with_adapters():
+        # Quantized base weights keep their adapters in the activations' dtype.
+        return y + matmul(matmul(x, a.astype(x.dtype)) * mask, b.astype(x.dtype))
+
+    return jax.lax.cond(lw["_lora_on"], with_adapters, lambda: y)
 
 
 # ---------------------------------------------------------------- pre-quantized checkpoints

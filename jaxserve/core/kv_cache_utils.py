@@ -43,11 +43,16 @@ def hash_block_tokens(
 
 
 def generate_block_hash_extra_keys(request, start_token_idx: int) -> tuple | None:
-    """Extra keys of the block starting at start_token_idx: the cache salt goes into block 0 only
+    """Extra keys of the block starting at start_token_idx: the LoRA adapter (every block,
+    as vLLM: ("lora", id, name, path); the id, unlike vLLM's key, so that an adapter
+    unloaded and loaded again under its name, which gets a new id, never meets KV
+    computed with its old weights) and the cache salt, which goes into block 0 only
     (every later hash depends on it through the chain)."""
+    lora = getattr(request, "lora_request", None)
+    keys = () if lora is None else (("lora", lora.lora_int_id, lora.lora_name, lora.lora_path),)
     if start_token_idx == 0 and request.cache_salt:
-        return (request.cache_salt,)
-    return None
+        keys += (request.cache_salt,)
+    return keys or None
 
 
 def get_request_block_hasher(block_size: int, hash_fn: Callable[[Any], bytes] = _sha256):

@@ -30,7 +30,9 @@ from jaxserve.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DTYPES,
     KV_CACHE_DTYPES,
+    LORA_RANKS,
     CacheConfig,
+    LoRAConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
@@ -167,6 +169,17 @@ class EngineArgs:
         'Speculative decoding, vLLM\'s keys as a JSON object: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": DIR, '
         '"num_speculative_tokens": 4}\'.'))
+    # ------------------------------------------------------------------ LoRA
+    enable_lora: bool = field(default=False, metadata=_arg(
+        "Serve LoRA adapters (PEFT folders) on top of the model: a request names one (offline lora_request, the "
+        "API's model field); adapters of a batch run together."))
+    max_loras: int = field(default=LoRAConfig.max_loras, metadata=_arg(
+        "Most distinct adapters in one step (device slots); requests of other adapters wait their turn."))
+    max_lora_rank: int = field(default=LoRAConfig.max_lora_rank, metadata=_arg(
+        "Largest adapter rank served (every slot has this rank; smaller adapters are zero padded).",
+        choices=LORA_RANKS))
+    max_cpu_loras: int | None = field(default=LoRAConfig.max_cpu_loras, metadata=_arg(
+        "Adapters kept in host memory, least recently used dropped first (default: max_loras; at least that)."))
     # ------------------------------------------------------------------ compilation
     enforce_eager: bool = field(default=EngineConfig.enforce_eager, metadata=_arg(
         "Skip the start-up warm-up (compile on demand)."))
@@ -270,6 +283,8 @@ class EngineArgs:
                 backend=self.structured_outputs_backend, reasoning_parser=self.reasoning_parser),
             speculative_config=(SpeculativeConfig.from_dict(self.speculative_config)
                                 if self.speculative_config is not None else None),
+            lora_config=(LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                                    max_cpu_loras=self.max_cpu_loras) if self.enable_lora else None),
             enforce_eager=self.enforce_eager,
             background_warmup=self.background_warmup,
             token_buckets=tuple(self.token_buckets) if self.token_buckets else None,

@@ -89,7 +89,8 @@ class EngineCore:
         self.schedulers = [
             Scheduler(config.scheduler_config, config.cache_config, self.model_runner.num_blocks,
                       speculative_config=config.speculative_config, token_bucket=self.model_runner.token_buckets,
-                      kv_cache_layout=self.model_runner.kv_cache_layout)
+                      kv_cache_layout=self.model_runner.kv_cache_layout,
+                      max_loras=config.lora_config.max_loras if config.lora_config is not None else 0)
             for _ in range(pc.data_parallel_size)
         ]
         self.num_steps = 0  # steps that ran the model
@@ -218,7 +219,28 @@ class EngineCore:
         """Rank 0's scheduler (the only one without data parallelism)."""
         return self.schedulers[0]
 
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora) -> bool:
+        """Read and check a LoRA adapter (jaxserve/lora) unless it is loaded; True when it
+        was read now. ValueError for a bad adapter, or when LoRA is off."""
+        manager = self.model_runner.lora
+        if manager is None:
+            raise ValueError(f"Got lora_request {lora} but LoRA is not enabled! (start the engine with "
+                             "enable_lora=True / --enable-lora)")
+        return manager.add(lora)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests running with it keep it until they finish)."""
+        manager = self.model_runner.lora
+        return manager is not None and manager.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        manager = self.model_runner.lora
+        return set() if manager is None else manager.list_loras()
+
     def add_request(self, request: Request) -> None:
+        if request.lora_request is not None:
+            self.add_lora(request.lora_request)
         if request.sampling_params.structured_outputs is not None:
             if self.structured_output_manager is None:
                 raise ValueError("structured_outputs: this engine has no structured output manager")

@@ -119,17 +119,25 @@ class LLMEngine:
     # --------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt, params: SamplingParams, *, priority: int = 0,
                     cache_salt: str | None = None, add_special_tokens: bool = True,
-                    stream: RequestStream | None = None) -> None:
+                    stream: RequestStream | None = None, lora_request=None) -> None:
         text, ids = self.input_processor.tokenize(prompt, add_special_tokens=add_special_tokens)
         self.add_tokenized_request(request_id, text, ids, params, priority=priority, cache_salt=cache_salt,
-                                   stream=stream)
+                                   stream=stream, lora_request=lora_request)
 
     def add_tokenized_request(self, request_id: str, text, ids: list[int], params: SamplingParams, *,
                               priority: int = 0, cache_salt: str | None = None, stream: RequestStream | None = None,
-                              arrival_time: float | None = None) -> None:
+                              arrival_time: float | None = None, lora_request=None) -> None:
+        """``lora_request``: the LoRA adapter to run with (jaxserve.lora.LoRARequest; read
+        and checked here on first use), None: the base model."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         self.input_processor.validate(ids, params)
+        if lora_request is not None:
+            from jaxserve.lora.request import LoRARequest
+
+            if not isinstance(lora_request, LoRARequest):
+                raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+            self.engine_core.add_lora(lora_request)
         resolved, max_tokens = self.input_processor.resolve_params(len(ids), params)
         children = [(request_id, 0, resolved)] if params.n == 1 else [
             (f"{i}_{request_id}", i,
@@ -148,6 +156,7 @@ class LLMEngine:
             self.engine_core.add_request(Request(
                 child_id, ids, child_params, None if params.ignore_eos else self.eos_token_id,
                 priority=priority, cache_salt=cache_salt, max_tokens=max_tokens, arrival_time=arrival_time,
+                lora_request=lora_request,
             ))
 
     def engine_request_ids(self, request_id: str) -> list[str]:

@@ -283,6 +283,8 @@ class CompilationManager:
             return None
         spec = r.config.speculative_config
         arrays = [r.state, r.kv_cache]
+        if r.lora is not None:
+            arrays.append(r.lora.buffers)
         if r.draft is not None:
             arrays += [r.draft.state, r.draft.kv_cache]
         # How the warm-up runs does not shape the programs: one file serves both ways.
@@ -297,9 +299,12 @@ class CompilationManager:
         types (for the warm-up, and to inspect a bucket's HLO)."""
         r = self.runner
         # Abstract: a background warm-up lowers while serving donates the live cache.
-        kv_cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), r.kv_cache)
+        abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        kv_cache = jax.tree.map(abstract, r.kv_cache)
+        # The adapters' slots too: an adapter copied in donates them.
+        lora = jax.tree.map(abstract, r.lora.buffers) if r.lora is not None else None
         return self._lower(ModelStepKey(num_tokens), r.state, kv_cache,
-                           r.inputs.abstract_packed(r.inputs.model_layout(num_tokens)))
+                           r.inputs.abstract_packed(r.inputs.model_layout(num_tokens)), lora)
 
     def _lower(self, key: ProgramKey, *args) -> jax.stages.Lowered:
         return self.runner._jitted[type(key)].lower(*args, **self.runner.inputs.static_args(key))

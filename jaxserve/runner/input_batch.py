@@ -8,11 +8,15 @@ vectorised numpy gathers over the scheduled rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxserve.sample.metadata import SamplingMetadata
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.lora.request import LoRARequest
 
 # Stop ids masked while a request is below min_tokens (EOS + stop_token_ids).
 MAX_MASKED_STOP_IDS = 16
@@ -30,6 +34,7 @@ class CachedRequestState:
     # Prompt positions whose logprobs were already returned: a request resumed after
     # preemption recomputes its prompt, and must not return them twice.
     num_prompt_logprobs_done: int = 0
+    lora_request: LoRARequest | None = None  # the adapter it runs with (jaxserve/lora)
 
 
 class InputBatch:

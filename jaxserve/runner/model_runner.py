@@ -88,6 +88,14 @@ class ModelRunner:
         self.arch, self.graphdef, self.state = load_target_model(config, model_path, self.mesh, self.dtype,
                                                                  self.param_dtype, progress=progress)
         self.vocab_size = self.arch.vocab_size
+        # LoRA adapters: host copies and the device slots a step's adapters use (jaxserve/lora).
+        self.lora = None
+        if config.lora_config is not None:
+            from jaxserve.lora.manager import LoRAManager
+            from models.registry import get_model_class
+
+            self.lora = LoRAManager(config.lora_config, get_model_class(self.arch.architecture), self.arch,
+                                    self.mesh, self.dtype)
         self.weights = WeightUpdater(self)  # live updates, sleep / wake (runner/weight_update.py)
         self.sleep_level = 0  # 0 awake; 1 the KV cache freed; 2 the weights too
         if mc.batch_invariant and (self.arch.num_experts or pc.tensor_parallel_size > 1):
@@ -133,12 +141,13 @@ class ModelRunner:
                                           layer_slot=self.kv_cache_layout.layer_slot)
         self.inputs = ProgramInputs(self.input_batch, self._replicated, dp=self.dp, max_num_reqs=self.max_num_reqs,
                                     rows_per_req=self.rows_per_req, max_blocks_per_req=self.max_blocks_per_req,
-                                    num_kv_groups=self.kv_cache_layout.num_groups)
+                                    num_kv_groups=self.kv_cache_layout.num_groups, lora=self.lora is not None)
         self._step_inputs = StepInputBuilder(self.input_batches, self.requests, self.inputs,
                                              block_size=self.block_size)
         self._jitted = build_step_programs(self.graphdef, self._attention, self.mesh, dp=self.dp,
                                            rows_per_req=self.rows_per_req, max_logprobs=self.max_logprobs,
-                                           batch_invariant=self.config.model_config.batch_invariant)
+                                           batch_invariant=self.config.model_config.batch_invariant,
+                                           lora_slots=(self.lora.num_slots, self.lora.rank) if self.lora else None)
         if self.draft is not None:
             self._jitted[DraftKey] = self.draft.jitted
         # Device constants standing in for the sampler's wide inputs when a step does not
@@ -378,7 +387,8 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             sp = new.sampling_params
             seed = sp.seed if sp.seed is not None else int(self._seed_rng.integers(0, 2**31))
-            state = CachedRequestState(new.req_id, list(new.prompt_token_ids), sp, seed & 0xFFFFFFFF)
+            state = CachedRequestState(new.req_id, list(new.prompt_token_ids), sp, seed & 0xFFFFFFFF,
+                                       lora_request=new.lora_request)
             self.requests[new.req_id] = state
             ib.add_request(state, new.num_computed_tokens, new.block_ids)
         cached = so.scheduled_cached_reqs
@@ -403,9 +413,14 @@ class ModelRunner:
             ib.token_ids[i, ib.num_tokens[i]:ib.num_tokens[i] + len(drafts)] = drafts
 
     def _prepare_inputs(self, outputs: list[SchedulerOutput]) -> PreparedStep:
-        """The step's padded host arrays (numpy; nothing touches the device here), in
-        the buckets compiled so far (StepInputBuilder.prepare)."""
-        return self._step_inputs.prepare(outputs, *self.compilation.ready_buckets)
+        """The step's padded host arrays (numpy; nothing touches the device here but the
+        copy of an adapter into its slot), in the buckets compiled so far
+        (StepInputBuilder.prepare)."""
+        lora_slots = None
+        if self.lora is not None:
+            lora_slots = self.lora.activate({rid: self.requests[rid].lora_request
+                                             for so in outputs for rid in so.num_scheduled_tokens})
+        return self._step_inputs.prepare(outputs, *self.compilation.ready_buckets, lora_slots=lora_slots)
 
     def _dispatch(self, step: PreparedStep):
         """Start the step's programs: one device_put of the two packed buffers (and of the
@@ -417,7 +432,8 @@ class ModelRunner:
         if step.token_history is not None or step.grammar_bitmask is not None:
             history, bitmask = (x if h is None else self._put(h) for x, h in
                                 ((history, step.token_history), (bitmask, step.grammar_bitmask)))
-        hidden, hidden_last, self.kv_cache = self._run(step.model_key, self.state, self.kv_cache, model_buffer)
+        hidden, hidden_last, self.kv_cache = self._run(step.model_key, self.state, self.kv_cache, model_buffer,
+                                                       self.lora.buffers if self.lora is not None else None)
         sampled = self._run(step.sample_key, self.state, hidden_last, sampler_buffer, history, bitmask)
         prompt_lp = None
         if step.prompt_logprobs:

@@ -27,6 +27,7 @@ from jaxserve.runner.packed_inputs import PackedLayout
 from jaxserve.runner.program_key import ModelStepKey, ProgramKey, PromptLogprobsKey, SampleKey, VerifyKey
 from jaxserve.sample.rejection_sampler import rejection_sample
 from jaxserve.sample.sampler import compute_logprobs, sample_from
+from models.lora import lora_mask
 from models.quantization import native_products
 from pallas_kernels import cpu_matmul
 from pallas_kernels.attention_metadata import AttentionMetadata
@@ -58,12 +59,15 @@ def traced_products(mesh: Mesh | None, batch_invariant: bool) -> Callable:
 
 
 def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, rows_per_req: int,
-                        max_logprobs: int, batch_invariant: bool = False) -> dict[type, Callable]:
+                        max_logprobs: int, batch_invariant: bool = False,
+                        lora_slots: tuple[int, int] | None = None) -> dict[type, Callable]:
     """The step's jitted functions by program key type (their static arguments:
     ProgramInputs.static_args). ``attention``: the per-layer attention
     (pallas_kernels.backend.build_attention); ``rows_per_req``: S = k + 1 logits rows per
     request with k speculative tokens, else 1; ``dp``: the data-parallel ranks;
-    ``batch_invariant``: every product row-invariant (models.quantization.invariant_matmul)."""
+    ``batch_invariant``: every product row-invariant (models.quantization.invariant_matmul);
+    ``lora_slots``: (max_loras, max_lora_rank) with LoRA on (the model step then takes the
+    adapters' buffers, jaxserve/lora/manager.py, and its inputs a slot per token)."""
     s = rows_per_req
     rows_sharding, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     products = traced_products(mesh, batch_invariant)
@@ -86,10 +90,15 @@ def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, r
         smd, extra = unpack(layout, packed)
         return dataclasses.replace(smd, token_history=history, allowed_token_bitmask=bitmask), extra
 
-    def model_step(state, kv_cache, packed, *, layout):
-        input_ids, positions, md, logits_indices, _ = unpack(layout, packed)
+    def model_step(state, kv_cache, packed, lora_buffers, *, layout):
+        """lora_buffers: None, or the adapters' slots (jaxserve/lora/manager.py)."""
+        input_ids, positions, md, logits_indices, _, *lora_inputs = unpack(layout, packed)
         model = nnx.merge(graphdef, state)
-        hidden, kv_cache = model(input_ids, positions, kv_cache, md, attention)
+        lora = None
+        if lora_buffers is not None:
+            (slots,) = lora_inputs
+            lora = (lora_buffers, lora_mask(slots, *lora_slots, jnp.float32), jnp.any(slots > 0))
+        hidden, kv_cache = model(input_ids, positions, kv_cache, md, attention, lora=lora)
         # Each rank's last-token rows, by its local indices [DP, Rmax] into its [T].
         by_rank = hidden.reshape(dp, -1, hidden.shape[-1])
         last = jnp.take_along_axis(by_rank, logits_indices.reshape(dp, -1, 1), axis=1)
@@ -110,7 +119,7 @@ def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, r
                                 use_penalties=use_penalties, num_logprobs=max_logprobs)
 
     def prompt_logprobs_step(state, hidden, packed, *, layout):
-        targets = unpack(layout, packed)[-1]
+        targets = unpack(layout, packed)[4]
         logits = nnx.merge(graphdef, state).compute_logits(hidden)
         return compute_logprobs(logits, targets, max_logprobs)
 
@@ -136,8 +145,9 @@ class ProgramInputs:
     bucket and kind of sampler), made once each, and zeroed inputs of their shapes."""
 
     def __init__(self, input_batch: InputBatch, replicated: NamedSharding, *, dp: int, max_num_reqs: int,
-                 rows_per_req: int, max_blocks_per_req: int, num_kv_groups: int) -> None:
+                 rows_per_req: int, max_blocks_per_req: int, num_kv_groups: int, lora: bool = False) -> None:
         self.input_batch = input_batch  # rank 0's: the sampling metadata's shapes
+        self.lora = lora  # the model step's inputs end with each token's adapter slot
         self.replicated = replicated
         self.dp, self.max_num_reqs, self.rows_per_req = dp, max_num_reqs, rows_per_req
         self.num_spec = rows_per_req - 1
@@ -181,12 +191,15 @@ class ProgramInputs:
     def model_inputs(self, t: int):
         """Zeroed model-step inputs for token bucket ``t``, every rank's one after the
         other: (input_ids [DP*T], positions [DP*T], AttentionMetadata, logits_indices
-        [DP*Rmax*S], prompt logprobs targets [DP*T]). Per-request arrays have the fixed
+        [DP*Rmax*S], prompt logprobs targets [DP*T]) and with LoRA the tokens' adapter
+        slots [DP*T]. Per-request arrays have the fixed
         maximum sizes (Rmax, Pmax), so the backbone's programs depend on T alone; zeros
-        are safe padding (slot 0 is the null block, num_seqs 0 masks every row)."""
+        are safe padding (slot 0 is the null block, num_seqs 0 masks every row, adapter
+        slot 0 is none)."""
         r, dp = self.max_num_reqs, self.dp
-        return (np.zeros(dp * t, np.int32), np.zeros(dp * t, np.int32), self.empty_attention_metadata(t),
-                np.zeros(dp * r * self.rows_per_req, np.int32), np.zeros(dp * t, np.int32))
+        inputs = (np.zeros(dp * t, np.int32), np.zeros(dp * t, np.int32), self.empty_attention_metadata(t),
+                  np.zeros(dp * r * self.rows_per_req, np.int32), np.zeros(dp * t, np.int32))
+        return inputs + (np.zeros(dp * t, np.int32),) if self.lora else inputs
 
     def empty_attention_metadata(self, t: int) -> AttentionMetadata:
         """Zeroed AttentionMetadata of token bucket ``t``, every rank's one after the other

@@ -81,14 +81,16 @@ class StepInputBuilder:
         self.rows_per_req, self.num_spec = inputs.rows_per_req, inputs.num_spec
 
     def prepare(self, outputs: list[SchedulerOutput], token_buckets: BucketTable,
-                request_buckets: BucketTable) -> PreparedStep:
+                request_buckets: BucketTable, lora_slots: dict[str, int] | None = None) -> PreparedStep:
         """The step's padded host arrays (numpy), ``outputs[r]`` rank r's scheduler
         output. Every rank gets the same buckets: the largest rank's token count and
-        request count, each padded to its smallest bucket that fits."""
+        request count, each padded to its smallest bucket that fits. ``lora_slots``:
+        with LoRA, each scheduled request's adapter slot (0: none; LoRAManager.activate)."""
         t_pad = token_buckets(max(so.total_num_scheduled_tokens for so in outputs))
         r_pad = request_buckets(max(len(so.num_scheduled_tokens) for so in outputs))
         # Written in place: views of the packed buffer.
-        model_buffer, (input_ids, positions, md, logits_indices, lp_targets) = self.inputs.model_layout(t_pad).allocate()
+        model_buffer, (input_ids, positions, md, logits_indices, lp_targets, *lora_inputs) = \
+            self.inputs.model_layout(t_pad).allocate()
         rmax = self.max_num_reqs
         ranks = [list(so.num_scheduled_tokens) for so in outputs]
         rows = [np.fromiter((ib.req_id_to_index[r] for r in ids), np.int64, len(ids))
@@ -117,6 +119,10 @@ class StepInputBuilder:
                         drafts[rank * r_pad + i, :len(d)] = d
                 num_drafts[rank * r_pad:rank * r_pad + len(req_ids)] = step.num_drafts
             step.token_offset, step.row_offset = rank * t_pad, rank * r_pad
+            if lora_inputs and lora_slots:
+                # Each request's tokens carry its adapter's slot (padding: 0, none).
+                per_req = np.fromiter((lora_slots.get(r, 0) for r in req_ids), np.int32, len(req_ids))
+                lora_inputs[0][tok][:step.num_scheduled.sum()] = np.repeat(per_req, step.num_scheduled)
             md.num_seqs[rank] = len(req_ids)
             rank_steps.append(step)
             if targets is not None:

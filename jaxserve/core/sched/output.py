@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from jaxserve.lora.request import LoRARequest
     import numpy as np
 
 from jaxserve.sampling_params import SamplingParams
@@ -24,6 +25,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: tuple[list[int], ...]  # every block the request owns, in order, per KV cache group
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
+    lora_request: LoRARequest | None = None  # its adapter (jaxserve/lora), None: the base model
 
 
 @dataclass(slots=True)

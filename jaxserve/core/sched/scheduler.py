@@ -87,6 +87,19 @@ class SchedulerStats:
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     num_preemptions: int = 0
     spec_decoding_stats: SpecDecodingStats | None = None  # since the last make_stats(); None without speculation
+    # LoRA: adapter name -> its running / waiting requests (vLLM's lora_requests_info);
+    # max_loras 0 when LoRA is off.
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    max_loras: int = 0
+
+
+def _count_adapters(requests) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_request is not None:
+            counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+    return counts
 
 
 class Scheduler:
@@ -101,11 +114,14 @@ class Scheduler:
         speculative_config: SpeculativeConfig | None = None,
         token_bucket=None,
         kv_cache_layout: KVCacheLayout | None = None,
+        max_loras: int = 0,
     ) -> None:
         """token_bucket: the runner's padded token count for a count (speculative
         decoding weighs drafts by the measured time of the bucket they lead to).
         kv_cache_layout: the runner's KV cache groups; blocks behind a sliding-window
-        group's window are given back (KVCacheManager). None: one full-attention group."""
+        group's window are given back (KVCacheManager). None: one full-attention group.
+        max_loras: with LoRA, the most distinct adapters among running requests (the
+        runner's device slots); 0: LoRA off."""
         self.scheduler_config = scheduler_config
         self.speculative_config = speculative_config
         self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
@@ -141,6 +157,7 @@ class Scheduler:
         # False while the engine holds new work (paused, asleep, a weight update waiting
         # for the running requests to finish): waiting requests stay in the queue.
         self.admit_waiting = True
+        self.max_loras = max_loras
         self.num_preemptions = 0
         self.check_invariants = check_invariants
         self.structured_output_manager = structured_output_manager
@@ -261,6 +278,15 @@ class Scheduler:
         # 2. Waiting requests, in queue order, unless this step had to preempt. Those
         # whose grammar is still compiling are passed over (and keep their place).
         skipped_waiting: list[Request] = []
+        # LoRA: the adapters of the running requests (at most max_loras: the runner's
+        # slots). A request of another adapter waits while they are all taken, as in
+        # vLLM, and base-model requests behind it still go; unlike vLLM, LoRA requests
+        # behind it wait too (first come, first served among adapters' requests), so
+        # the running adapters drain and a waiting adapter is never starved by a steady
+        # stream of requests for the running ones.
+        running_loras = ({r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+                         if self.max_loras else set())
+        lora_blocked = False
         if not preempted_reqs and self.admit_waiting:
             while self.waiting and token_budget > 0:
                 if len(self.running) == self.max_num_running_reqs:
@@ -270,6 +296,14 @@ class Scheduler:
                     self.waiting.pop_request()
                     if not request.is_finished():  # else its grammar failed: it ended
                         skipped_waiting.append(request)
+                    continue
+                lora = request.lora_request
+                if lora is not None and self.max_loras and (
+                        lora_blocked or (lora.lora_int_id not in running_loras
+                                         and len(running_loras) >= self.max_loras)):
+                    lora_blocked = True
+                    self.waiting.pop_request()
+                    skipped_waiting.append(request)
                     continue
                 computed_blocks, num_new_local_computed = self.kv_cache_manager.get_computed_blocks(request)
                 num_computed_tokens = num_new_local_computed
@@ -286,6 +320,8 @@ class Scheduler:
                     break
                 self.waiting.pop_request()
                 self.running.append(request)
+                if lora is not None:
+                    running_loras.add(lora.lora_int_id)
                 self.kv_cache_manager.record_prefix_cache_hit(request, num_computed_tokens)
                 if request.status == RequestStatus.WAITING:
                     scheduled_new_reqs.append(request)
@@ -314,6 +350,7 @@ class Scheduler:
                 sampling_params=r.sampling_params,
                 block_ids=req_to_new_block_ids[r.request_id],
                 num_computed_tokens=r.num_computed_tokens,
+                lora_request=r.lora_request,
             )
             for r in scheduled_new_reqs
         ]
@@ -605,6 +642,9 @@ class Scheduler:
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             num_preemptions=self.num_preemptions,
             spec_decoding_stats=spec_stats,
+            running_lora_adapters=_count_adapters(self.running) if self.max_loras else {},
+            waiting_lora_adapters=_count_adapters(self.waiting) if self.max_loras else {},
+            max_loras=self.max_loras,
         )
 
     def reset_prefix_cache(self) -> bool:
