@@ -19,6 +19,7 @@ from jaxserve.engine.async_llm import AsyncLLM
 from server.errors import APIError, engine_dead, internal_error
 from server.lifecycle import install_draining
 from server.limits import ServerLimits
+from server.lora_routes import LoRARegistry, install_lora_routes, runtime_lora_updating
 from server.metrics import PrometheusStatLogger
 from server.middleware import install_limits
 from server.protocol import (
@@ -183,7 +184,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None, chat_template: str | None = None,
               enable_tokenizer_info_endpoint: bool = False, limits: ServerLimits | None = None,
-              enable_weight_updates: bool = False) -> FastAPI:
+              enable_weight_updates: bool = False, lora_modules: list | None = None) -> FastAPI:
     """An OpenAI-compatible app over ``async_llm``. With ``api_key``, every /v1 route
     needs ``Authorization: Bearer <api_key>`` (HTTP 401 otherwise). Sampling fields a
     request leaves out come from ``default_sampling_params`` (default: the model's
@@ -195,7 +196,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
     (a path or the template) replaces the tokenizer's. ``enable_tokenizer_info_endpoint``
     adds GET /tokenizer_info. ``limits`` (server/limits.py): body size, --protect-all-routes,
     --trust-request-chat-template. ``enable_weight_updates`` (or VLLM_SERVER_DEV_MODE=1):
-    the research loop's routes (server/weight_routes.py)."""
+    the research loop's routes (server/weight_routes.py). ``lora_modules``
+    (server/lora_routes.py LoRAModulePath): adapters served from the start (needs an
+    engine with LoRA on); VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 adds the load / unload routes."""
     max_model_len = max_model_len or async_llm.max_model_len
     if default_sampling_params is None:
         default_sampling_params = async_llm.model_config.get_diff_sampling_param()
@@ -212,11 +215,17 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
 
         reasoner = get_reasoning_parser(reasoning_parser)(tokenizer)
     chat_template = load_chat_template(chat_template)
+    lora_registry = None
+    if getattr(getattr(async_llm, "config", None), "lora_config", None) is not None:
+        lora_registry = LoRARegistry(async_llm, served_model_name)
+        lora_registry.load_at_start(lora_modules or [])
+    elif lora_modules:
+        raise ValueError("--lora-modules needs --enable-lora")
     app = FastAPI(title="jaxserve", version=jaxserve.__version__)
     install_draining(app)  # 503 on /v1 once a graceful shutdown began (server/lifecycle.py)
     kwargs = {"max_model_len": max_model_len, "enable_prompt_tokens_details": enable_prompt_tokens_details,
               "default_sampling_params": default_sampling_params, "chat_template": chat_template,
-              "limits": limits or ServerLimits()}
+              "limits": limits or ServerLimits(), "lora_registry": lora_registry}
     serving_completion = OpenAIServingCompletion(async_llm, served_model_name, **kwargs)
     serving_chat = OpenAIServingChat(async_llm, served_model_name, tool_parser=tool_parser,
                                      enable_auto_tools=enable_auto_tool_choice, reasoning_parser=reasoner, **kwargs)
@@ -296,7 +305,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
     async def models():
         card = ModelCard(id=served_model_name, created=created, root=model_root, max_model_len=max_model_len,
                          weights_version=weights_version())
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        adapters = lora_registry.cards() if lora_registry is not None else []
+        return JSONResponse(ModelList(data=[card, *adapters]).model_dump())
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request):
@@ -327,6 +337,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
 
     if weight_updates_enabled(enable_weight_updates):
         install_weight_routes(app, async_llm)
+    if lora_registry is not None and runtime_lora_updating():
+        install_lora_routes(app, lora_registry)
 
     # Outermost last: HEAD becomes GET before anything else sees it.
     app.add_middleware(RequestIdHeader)

@@ -18,6 +18,7 @@ import sys
 from jaxserve.config import DEFAULT_ITERATION_TIMEOUT_S
 from jaxserve.engine.arg_utils import EngineArgs
 from server.limits import add_limits_args, limits_from_args
+from server.lora_routes import parse_lora_modules
 
 logger = logging.getLogger("jaxserve")
 
@@ -32,6 +33,10 @@ def check_serve_args(args: argparse.Namespace) -> None:
     """Flag combinations that cannot start (ValueError, before the engine loads)."""
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    if getattr(args, "lora_modules", None):
+        if not getattr(args, "enable_lora", False):
+            raise ValueError("--lora-modules needs --enable-lora")
+        parse_lora_modules(args.lora_modules)
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -50,6 +55,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     server.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="Report usage.prompt_tokens_details.cached_tokens.")
     server.add_argument("--disable-log-requests", action="store_true", help="Do not log each request.")
+    server.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters served from the start (with --enable-lora), each name=path or a JSON "
+                             'object {"name", "path", "base_model_name"}; a request selects one by its model field.')
     server.add_argument("--chat-template", default=None,
                         help="A Jinja chat template (a file's path, or the template itself) replacing the "
                              "tokenizer's; a request's chat_template still wins.")
@@ -102,7 +110,11 @@ def run_serve(args: argparse.Namespace) -> None:
     config = async_llm.config
     logger.info("Engine ready in %.1f s (warm-up %.1f s)", async_llm.engine.startup_seconds,
                 async_llm.engine.warmup_seconds)
-    app = build_app(async_llm, config.model_config.served_model_name, api_key=args.api_key,
+    try:
+        lora_modules = parse_lora_modules(args.lora_modules)
+    except ValueError as e:
+        raise SystemExit(f"jaxserve serve: error: {e}") from None
+    app = build_app(async_llm, config.model_config.served_model_name, api_key=args.api_key, lora_modules=lora_modules,
                     limits=limits_from_args(args),
                     max_model_len=config.scheduler_config.max_model_len,
                     enable_prompt_tokens_details=args.enable_prompt_tokens_details,

@@ -107,6 +107,10 @@ class PrometheusStatLogger:
         self.counter_spec_accepted_per_pos = Counter(
             "jaxserve:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
             lbl + ["position"], registry=r)
+        # LoRA (vLLM's lora_requests_info): one sample per (max_lora, waiting, running)
+        # label set, its value the time it was last seen; readers take the newest.
+        self.gauge_lora_info = Gauge("jaxserve:lora_requests_info", "Running stats on lora requests.",
+                                     ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
         self._last_queries = self._last_hits = self._last_preemptions = 0
 
     def record(self, s: EngineStats, it: IterationStats | None) -> None:
@@ -148,6 +152,9 @@ class PrometheusStatLogger:
                 self.hist_request_tpot.observe(f.mean_time_per_output_token)
 
     def set_gauges(self, s: EngineStats) -> None:
+        if s.max_loras:
+            self.gauge_lora_info.labels(str(s.max_loras), ",".join(s.waiting_lora_adapters),
+                                        ",".join(s.running_lora_adapters)).set_to_current_time()
         self.gauge_running.set(s.num_running_reqs)
         self.gauge_waiting.set(s.num_waiting_reqs)
         self.gauge_kv_usage.set(s.kv_cache_usage)

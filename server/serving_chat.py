@@ -196,7 +196,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request=None):
         """A ChatCompletionResponse, or (stream=True) an async iterator of SSE strings."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         self.check_engine()
         self.check_stream_options(request)
         self.check_unsupported(request)
@@ -208,7 +208,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id, engine_id = self.request_ids("chatcmpl", request, raw_request)
         created = int(time.time())
         gen = self.engine_client.generate(ids, params, engine_id, priority=request.priority,
-                                          cache_salt=request.cache_salt)
+                                          cache_salt=request.cache_salt, lora_request=lora)
         merged = merge_async_iterators(gen)
         if request.stream:
             chunks = self._stream(request, request_id, created, ids, merged, shaper)
@@ -267,7 +267,7 @@ class OpenAIServingChat(OpenAIServing):
         generated = sum(len(t) for t in token_ids)
         usage = UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=generated,
                           total_tokens=len(prompt_ids) + generated, prompt_tokens_details=self.usage_details(cached))
-        return ChatCompletionResponse(id=request_id, created=created, model=self.served_model_name, choices=choices,
+        return ChatCompletionResponse(id=request_id, created=created, model=self.model_name(request), choices=choices,
                                       usage=usage, prompt_logprobs=self.prompt_logprobs_json(prompt_logprobs))
 
     async def _stream(self, request, request_id, created, prompt_ids, merged, shaper) -> AsyncIterator[str]:
@@ -280,7 +280,7 @@ class OpenAIServingChat(OpenAIServing):
         include_usage, continuous = self.stream_usage_options(request)
         num_prompt = len(prompt_ids)
         k = request.top_logprobs or 0
-        model = self.served_model_name
+        model = self.model_name(request)
 
         def chunk(choice, usage=None) -> str:
             c = ChatCompletionStreamResponse(id=request_id, object="chat.completion.chunk", created=created,

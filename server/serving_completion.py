@@ -87,7 +87,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest, raw_request=None):
         """A CompletionResponse, or (stream=True) an async iterator of SSE strings."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         self.check_engine()
         self.check_stream_options(request)
         self.check_unsupported(request)
@@ -102,7 +102,7 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         generators = [
             self.engine_client.generate(inp.token_ids, inp.params, f"{engine_id}-{i}", priority=request.priority,
-                                        cache_salt=request.cache_salt)
+                                        cache_salt=request.cache_salt, lora_request=lora)
             for i, inp in enumerate(inputs)
         ]
         merged = merge_async_iterators(*generators)
@@ -185,7 +185,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompt = sum(len(inp.token_ids) for inp in inputs)
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                           total_tokens=num_prompt + num_generated, prompt_tokens_details=self.usage_details(sum(cached)))
-        return CompletionResponse(id=request_id, created=created, model=self.served_model_name, choices=choices,
+        return CompletionResponse(id=request_id, created=created, model=self.model_name(request), choices=choices,
                                   usage=usage)
 
     async def _stream(self, request, request_id, created, inputs, merged) -> AsyncIterator[str]:
@@ -198,7 +198,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echoed = [False] * num_choices
         cached = [0] * len(inputs)
         include_usage, continuous = self.stream_usage_options(request)
-        model = self.served_model_name
+        model = self.model_name(request)
         async for i, out in merged:
             inp = inputs[i]
             cached[i] = out.num_cached_tokens

@@ -44,9 +44,12 @@ class OpenAIServing:
     def __init__(self, engine_client: AsyncLLM, served_model_name: str, *, max_model_len: int,
                  enable_prompt_tokens_details: bool = False,
                  default_sampling_params: dict[str, Any] | None = None,
-                 chat_template: str | None = None, limits: ServerLimits | None = None) -> None:
+                 chat_template: str | None = None, limits: ServerLimits | None = None,
+                 lora_registry=None) -> None:
         self.engine_client = engine_client
         self.served_model_name = served_model_name
+        # The LoRA adapters a request's model field can name (server/lora_routes.py); None: LoRA off.
+        self.lora_registry = lora_registry
         self.max_model_len = max_model_len
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         # The model's generation-config defaults (ModelConfig.get_diff_sampling_param):
@@ -65,9 +68,22 @@ class OpenAIServing:
         return self.engine_client.get_tokenizer()
 
     # ------------------------------------------------------------------ checks
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+    def check_model(self, model: str | None):
+        """The LoRA adapter ``model`` names (a LoRARequest), None for the base model; 404
+        for any other name."""
+        if model is None or model == self.served_model_name:
+            return None
+        lora = self.lora_registry.get(model) if self.lora_registry is not None else None
+        if lora is None:
             raise APIError(f"The model `{model}` does not exist.", 404, "model")
+        return lora
+
+    def model_name(self, request) -> str:
+        """The response's model field: the adapter's name for an adapter's request (as vLLM)."""
+        model = getattr(request, "model", None)
+        if model and self.lora_registry is not None and self.lora_registry.get(model) is not None:
+            return model
+        return self.served_model_name
 
     def check_engine(self) -> None:
         if self.engine_client.errored:

@@ -65,6 +65,7 @@ class AddRequest:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: object = None  # jaxserve.lora.LoRARequest, read and checked by the caller already
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +206,8 @@ class AsyncLLM:
     # ------------------------------------------------------------------ generate / abort
     async def generate(self, prompt, sampling_params: SamplingParams, request_id: str, *, priority: int = 0,
                        cache_salt: str | None = None, add_special_tokens: bool = True,
-                       output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> AsyncIterator[RequestOutput]:
+                       output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         """Yields RequestOutputs as the engine produces them; the last has finished=True.
 
         DELTA (the default): each output holds only what is new (for n > 1, one
@@ -217,6 +219,9 @@ class AsyncLLM:
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         self.check_health()
         text, ids = self.process_inputs(prompt, sampling_params, add_special_tokens=add_special_tokens)
+        if lora_request is not None:
+            # Read and checked here (off the event loop on first use), not in the engine thread.
+            await self.add_lora(lora_request)
         params = sampling_params.replace(output_kind=output_kind)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, params.n, text, ids, max_queued=self.max_queued_outputs,
@@ -231,7 +236,7 @@ class AsyncLLM:
             stream.closed = True
             self._unregister(stream)
             self.check_health()
-        self._post(AddRequest(stream, text, ids, params, priority, cache_salt))
+        self._post(AddRequest(stream, text, ids, params, priority, cache_salt, lora_request))
         finished = False
         seen_finished: set[int] = set()  # choices whose finish the caller has been given
         try:
@@ -332,6 +337,18 @@ class AsyncLLM:
                         pass
             if stream is not None:
                 self._post(AbortRequest(stream))
+
+    # ------------------------------------------------------------------ LoRA adapters (docs/lora.md)
+    async def add_lora(self, lora_request) -> bool:
+        """Read and check a LoRA adapter unless it is loaded (on a worker thread: the
+        event loop never waits on the files); True when it was read now."""
+        return await asyncio.to_thread(self.engine.engine_core.add_lora, lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return self.engine.engine_core.remove_lora(lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return self.engine.engine_core.list_loras()
 
     # ------------------------------------------------------------------ the research loop (docs/research_loop.md)
     async def _call(self, fn: Callable[[LLMEngine], Any], *, when_idle: bool = False, hold: str | None = None):
@@ -460,7 +477,8 @@ class AsyncLLM:
                 return
             try:
                 self.engine.add_tokenized_request(stream.request_id, cmd.prompt, cmd.prompt_token_ids, cmd.params,
-                                                  priority=cmd.priority, cache_salt=cmd.cache_salt, stream=stream)
+                                                  priority=cmd.priority, cache_salt=cmd.cache_salt, stream=stream,
+                                                  lora_request=cmd.lora_request)
             except (ValueError, TypeError) as e:
                 self._send(stream, e)
         elif isinstance(cmd, EngineCall):
@@ -566,6 +584,8 @@ class AsyncLLM:
             prefix_cache_hits=self._prefix_hits, prefix_cache_hit_rate=self._prefix_metrics.hit_rate,
             num_preemptions=s.num_preemptions, num_steps=engine.num_steps,
             ranks=tuple(RankStats(r.num_running_reqs, r.num_waiting_reqs, r.kv_cache_usage) for r in per_rank),
+            running_lora_adapters=tuple(sorted(s.running_lora_adapters)),
+            waiting_lora_adapters=tuple(sorted(s.waiting_lora_adapters)), max_loras=s.max_loras,
         )
         for lg in self.stat_loggers:
             try:

@@ -54,6 +54,10 @@ class EngineStats:
     num_preemptions: int = 0
     num_steps: int = 0
     ranks: tuple[RankStats, ...] = ()  # per data-parallel rank; the fields above are their total
+    # LoRA (max_loras 0: off): the adapters' names with running / waiting requests.
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
 
 
 class StatLogger(Protocol):
