@@ -12,7 +12,7 @@ EOS = 0
 
 
 def make_request(req_id, prompt, *, block_size=16, max_tokens=16, hasher=True, priority=0,
-                 arrival_time=None, cache_salt=None, **sp_kwargs) -> Request:
+                 arrival_time=None, cache_salt=None, lora_request=None, **sp_kwargs) -> Request:
     """prompt: a token list, or an int n for n distinct tokens 1000..1000+n-1."""
     if isinstance(prompt, int):
         prompt = [1000 + i for i in range(prompt)]
@@ -20,13 +20,13 @@ def make_request(req_id, prompt, *, block_size=16, max_tokens=16, hasher=True, p
     return Request(
         str(req_id), prompt, sp, EOS,
         block_hasher=get_request_block_hasher(block_size) if hasher else None,
-        priority=priority, arrival_time=arrival_time, cache_salt=cache_salt,
+        priority=priority, arrival_time=arrival_time, cache_salt=cache_salt, lora_request=lora_request,
     )
 
 
 def make_scheduler(*, num_blocks=11, block_size=16, max_num_batched_tokens=8192, max_num_seqs=64,
                    max_model_len=8192, enable_prefix_caching=True, long_prefill_token_threshold=0,
-                   enable_chunked_prefill=True, policy="fcfs", async_scheduling=False) -> Scheduler:
+                   enable_chunked_prefill=True, policy="fcfs", async_scheduling=False, max_loras=0) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
@@ -36,6 +36,7 @@ def make_scheduler(*, num_blocks=11, block_size=16, max_num_batched_tokens=8192,
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         num_blocks,
         check_invariants=True,
+        max_loras=max_loras,
     )
 
 

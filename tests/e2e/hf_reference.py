@@ -9,12 +9,14 @@ NEAR_TIE = 1e-3
 
 
 class HFReference:
-    def __init__(self, path):
+    def __init__(self, path=None, *, model=None):
+        """From a folder, or an HF model already built (e.g. one with a LoRA merged in)."""
         import torch
         import transformers
 
         self.torch = torch
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+        self.model = (model if model is not None else
+                      transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)).eval()
 
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
         torch = self.torch
