@@ -77,6 +77,32 @@ curl -sf -X POST localhost:8000/wake_up
 curl -sf -X POST 'localhost:8000/pause?mode=wait'; curl -sf -X POST localhost:8000/resume
 kill -INT $S; wait $S
 """, 600, r'(?s)"weights_version":1.*"kv_cache":\d+.*"is_sleeping":true.*"is_sleeping":false.*"is_paused":false'),
+    # docs/lora.md: the offline example (on adapters the benchmark writes), the benchmark
+    # at its smallest, and the server example as written.
+    ("lora adapters", f"{PY} benchmarks/bench_lora.py --save-adapters /tmp/loras --ranks 8 --lora-counts 2", 300,
+     r"/tmp/loras/r8-1"),
+    ("lora offline", f"""{PY} - <<'EOF'
+from jaxserve import LLM, SamplingParams
+from jaxserve.lora import LoRARequest
+
+llm = LLM(enable_lora=True, max_loras=2, max_lora_rank=8)
+sql, chat = LoRARequest("sql", 1, "/tmp/loras/r8-0"), LoRARequest("chat", 2, "/tmp/loras/r8-1")
+outs = llm.generate(["The capital of France is"] * 3, SamplingParams(max_tokens=8), lora_request=[sql, None, chat])
+print([o.outputs[0].text for o in outs], llm.list_loras())
+EOF""", 600, r"\{1, 2\}"),
+    ("bench_lora", f"{PY} benchmarks/bench_lora.py --num-prompts 4 --input-len 16 --output-len 4 --ranks 8 "
+     "--lora-counts 0 1 --repeats 1", 600, r"\| jaxserve \| 8 \| 1 \|"),
+    ("lora serve", r"""
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 .venv/bin/jaxserve serve --enable-lora --max-loras 2 --max-lora-rank 8 \
+    --lora-modules sql=/tmp/loras/r8-0 & S=$!
+for i in $(seq 300); do curl -sf localhost:8000/v1/models >/dev/null && break; sleep 1; done
+curl localhost:8000/v1/completions -H 'Content-Type: application/json' \
+    -d '{"model": "sql", "prompt": "The capital of France is", "max_tokens": 8}'
+curl -X POST localhost:8000/v1/load_lora_adapter -H 'Content-Type: application/json' \
+    -d '{"lora_name": "chat", "lora_path": "/tmp/loras/r8-1"}'
+curl -X POST localhost:8000/v1/unload_lora_adapter -H 'Content-Type: application/json' -d '{"lora_name": "chat"}'
+kill -INT $S; wait $S
+""", 600, r'(?s)"model":"sql".*added successfully.*removed successfully'),
     ("soak (long run: JAXSERVE_SOAK_REQUESTS=5000)",
      "JAXSERVE_SOAK_REQUESTS=24 JAXSERVE_SOAK_CONCURRENCY=8 .venv/bin/pytest -q -s "
      "tests/server/test_soak.py", 600, r"\d+ passed"),

@@ -86,9 +86,10 @@ def engine_kwargs(engine_args: EngineArgs, **overrides) -> dict:
     return dataclasses.asdict(dataclasses.replace(engine_args, **overrides))
 
 
-def run_peer_script(python: str, prompts: list[list[int]], engine: str, model: str, *flags: str) -> dict:
+def run_peer_script(python: str, prompts: list[list[int]], engine: str, model: str, *flags: str,
+                    every: bool = False) -> dict | list[dict]:
     """benchmarks/peer_throughput.py in the peer's own ``python`` on these token-id prompts
-    (a temporary JSON file): its one JSON result line."""
+    (a temporary JSON file): its one JSON result line (``every``: all of them, a list)."""
     import json
     import tempfile
 
@@ -99,7 +100,8 @@ def run_peer_script(python: str, prompts: list[list[int]], engine: str, model: s
     print(f"Running the peer: {' '.join(cmd)}", flush=True)
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
     # The peer's own logs share stdout (vLLM logs its shutdown after our line).
-    return json.loads(next(line for line in out.splitlines() if line.startswith('{"engine"')))
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"engine"')]
+    return rows if every else rows[0]
 
 
 def plot_bars(path: str, labels: list[str], values: list[float], *, ylabel: str, title: str) -> None:

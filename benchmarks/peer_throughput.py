@@ -10,6 +10,9 @@ Every engine: greedy, EOS ignored, exactly --output-len new tokens per prompt.
   vllm:     vllm.LLM (the CPU build: VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND), one generate call.
   hf:       transformers generate, left-padded batches of --batch-size, torch CPU.
   llamacpp: llama-cpp-python on a GGUF file (--model), one prompt at a time (its API has no batch).
+With --lora-dirs (vllm): one engine with --enable-lora (max_loras = the adapters, --max-lora-rank),
+timed once per --lora-counts value, the prompts' adapters taken in turn from the first that many
+(0: the base model on the LoRA engine); prints one JSON line per count, with "num_adapters".
 """
 from __future__ import annotations
 
@@ -26,8 +29,40 @@ def vllm_llm(args):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
     from vllm import LLM
 
+    lora = {}
+    if args.lora_dirs:
+        lora = dict(enable_lora=True, max_loras=len(args.lora_dirs), max_lora_rank=args.max_lora_rank,
+                    max_cpu_loras=len(args.lora_dirs))
     return LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0,
-               max_num_seqs=args.batch_size)
+               max_num_seqs=args.batch_size, **lora)
+
+
+def run_vllm_lora(args, prompts) -> list[dict]:
+    """--lora-dirs: one LoRA engine, timed with 0 / 1 / ... adapters in use (--lora-counts)."""
+    t0 = time.perf_counter()
+    llm = vllm_llm(args)
+    import vllm
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    startup = time.perf_counter() - t0
+    loras = [LoRARequest(f"a{i}", i + 1, d) for i, d in enumerate(args.lora_dirs)]
+    # Every adapter read once before the clock (the first request of an adapter loads it).
+    llm.generate([{"prompt_token_ids": prompts[0]}] * len(loras), SamplingParams(max_tokens=2), lora_request=loras,
+                 use_tqdm=False)
+    sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    rows = []
+    for count in args.lora_counts:
+        chosen = [loras[i % count] if count else None for i in range(len(prompts))]
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, lora_request=chosen, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        rows.append({"engine": "vllm", "version": vllm.__version__, "startup_s": startup, "elapsed_s": elapsed,
+                     "prompt_tokens": sum(map(len, prompts)), "output_tokens": produced,
+                     "output_tokens_per_s": produced / elapsed, "num_adapters": count,
+                     "dtype": str(llm.llm_engine.model_config.dtype)})
+    return rows
 
 
 def run_vllm(args, prompts):
@@ -117,6 +152,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--dtype", default="auto", help="auto: the engine's own default")
+    ap.add_argument("--lora-dirs", nargs="+", default=[], help="vllm only: PEFT adapter folders (see above)")
+    ap.add_argument("--lora-counts", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--max-lora-rank", type=int, default=16)
     ap.add_argument("--greedy", action="store_true",
                     help="vllm only: print each prompt's greedy output and its logprobs instead of timing")
     args = ap.parse_args()
@@ -126,6 +164,12 @@ def main() -> None:
         if args.engine != "vllm":
             raise SystemExit("--greedy is implemented for --engine vllm")
         print(json.dumps(run_vllm_greedy(args, prompts)))
+        return
+    if args.lora_dirs:
+        if args.engine != "vllm":
+            raise SystemExit("--lora-dirs is implemented for --engine vllm")
+        for row in run_vllm_lora(args, prompts):
+            print(json.dumps(row))
         return
     runner = {"vllm": run_vllm, "hf": run_hf, "llamacpp": run_llamacpp}[args.engine]
     version, startup, elapsed, produced = runner(args, prompts)

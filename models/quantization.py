@@ -248,8 +248,9 @@ def linear(x, lw: dict, name: str):
     b, mask = lw[name + "_lora_b"], lw["_lora_mask"]
 
     def with_adapters():
-        # Quantized base weights keep their adapters in the activations' dtype.
-        return y + matmul(matmul(x, a.astype(x.dtype)) * mask, b.astype(x.dtype))
+        # The adapters are in the weights' dtype (bf16 weights: bf16 adapters, the same
+        # products) or, under a quantized base, in the activations'.
+        return y + matmul(matmul(x, a) * mask, b)
 
     return jax.lax.cond(lw["_lora_on"], with_adapters, lambda: y)
 

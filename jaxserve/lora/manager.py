@@ -33,7 +33,12 @@ logger = logging.getLogger("jaxserve")
 
 
 class LoRAManager:
-    def __init__(self, config: LoRAConfig, model_cls, arch: ModelArchConfig, mesh: Mesh, dtype) -> None:
+    def __init__(self, config: LoRAConfig, model_cls, arch: ModelArchConfig, mesh: Mesh, dtype, *,
+                 as_bits: bool = False) -> None:
+        """dtype: the slots' dtype (the weights': bf16 adapters for bf16 weights, whose
+        products then run as the base's do; the activations' under a quantized base).
+        as_bits: bfloat16 slots stored as their uint16 bit patterns (the CPU layer scan's
+        convention for bf16 weights, models/llama.py; restored inside the loop)."""
         self.config = config
         self.model_cls, self.arch = model_cls, arch
         self.num_slots, self.rank = config.max_loras, config.max_lora_rank
@@ -47,9 +52,15 @@ class LoRAManager:
         shapes = {n: t.shapes(arch, self.num_slots, self.rank) for n, t in self.targets.items()}
         self._replicated = NamedSharding(mesh, P())
 
+        stored = jnp.uint16 if as_bits else dtype
+
+        def store(x):
+            x = x.astype(dtype)
+            return jax.lax.bitcast_convert_type(x, jnp.uint16) if as_bits else x
+
         @functools.partial(jax.jit, out_shardings=shardings)
         def zeros():
-            return {n: (jnp.zeros(sa, dtype), jnp.zeros(sb, dtype)) for n, (sa, sb) in shapes.items()}
+            return {n: (jnp.zeros(sa, stored), jnp.zeros(sb, stored)) for n, (sa, sb) in shapes.items()}
 
         rank = self.rank
 
@@ -59,8 +70,8 @@ class LoRAManager:
             out = {}
             for n, (a, b) in buffers.items():
                 ha, hb = host[n]
-                out[n] = (jax.lax.dynamic_update_slice_in_dim(a, ha.astype(a.dtype), slot * rank, axis=2),
-                          jax.lax.dynamic_update_slice_in_dim(b, hb.astype(b.dtype), slot * rank, axis=1))
+                out[n] = (jax.lax.dynamic_update_slice_in_dim(a, store(ha), slot * rank, axis=2),
+                          jax.lax.dynamic_update_slice_in_dim(b, store(hb), slot * rank, axis=1))
             return out
 
         self._write_slot = write_slot
@@ -110,17 +121,20 @@ class LoRAManager:
             return set(self._host)
 
     # ------------------------------------------------------------------ device side
-    def activate(self, loras: dict[str, LoRARequest | None]) -> dict[str, int]:
+    def activate(self, loras: dict[str, LoRARequest | None], live: set[int] = frozenset()) -> dict[str, int]:
         """Slots for a step's requests (request id -> its adapter or None): the adapters
         not in a slot yet are copied into the least recently used slots no request of
-        this step needs. Returns request id -> slot + 1 (0: no adapter)."""
+        this step needs, those of adapters no live request (``live``: ids of the
+        adapters of every request the runner holds) uses first. Returns request id ->
+        slot + 1 (0: no adapter)."""
         wanted = {lr.lora_int_id: lr for lr in loras.values() if lr is not None}
         if len(wanted) > self.num_slots:  # the scheduler admits at most max_loras adapters per step
             raise RuntimeError(f"{len(wanted)} adapters in one step, max_loras={self.num_slots}")
         with self._lock:
-            return self._activate(wanted, loras)
+            return self._activate(wanted, loras, live)
 
-    def _activate(self, wanted: dict[int, LoRARequest], loras: dict[str, LoRARequest | None]) -> dict[str, int]:
+    def _activate(self, wanted: dict[int, LoRARequest], loras: dict[str, LoRARequest | None],
+                  live: set[int]) -> dict[str, int]:
         for lora_id, lora in wanted.items():
             if lora_id not in self._slot_of:
                 used = set(self._slot_of.values())
@@ -128,7 +142,8 @@ class LoRAManager:
                 if free:
                     slot = free[0]
                 else:
-                    victim = next(i for i in self._slot_of if i not in wanted)
+                    idle = [i for i in self._slot_of if i not in wanted]
+                    victim = next((i for i in idle if i not in live), idle[0])
                     slot = self._slot_of.pop(victim)
                 self._write(slot, self._host_weights(lora))
                 self._slot_of[lora_id] = slot

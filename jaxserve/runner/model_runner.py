@@ -46,6 +46,7 @@ from jaxserve.runner.weight_update import WeightUpdater, check_sleep_level, devi
 from models.config import attention_settings
 from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.backend import build_attention, resolve_attention_spec
+from pallas_kernels.storage import stacked_weights_as_bits
 
 __all__ = ["InflightStep", "ModelRunner", "PreparedStep", "RankStep", "make_mesh"]
 
@@ -94,8 +95,12 @@ class ModelRunner:
             from jaxserve.lora.manager import LoRAManager
             from models.registry import get_model_class
 
+            # In the weights' dtype (the activations' under a quantized base).
+            lora_dtype = self.dtype if self.arch.quantization else (self.param_dtype or self.dtype)
             self.lora = LoRAManager(config.lora_config, get_model_class(self.arch.architecture), self.arch,
-                                    self.mesh, self.dtype)
+                                    self.mesh, lora_dtype,
+                                    as_bits=stacked_weights_as_bits(self.platform, mc.scan_layers, lora_dtype,
+                                                                    self.dtype))
         self.weights = WeightUpdater(self)  # live updates, sleep / wake (runner/weight_update.py)
         self.sleep_level = 0  # 0 awake; 1 the KV cache freed; 2 the weights too
         if mc.batch_invariant and (self.arch.num_experts or pc.tensor_parallel_size > 1):
@@ -418,8 +423,9 @@ class ModelRunner:
         (StepInputBuilder.prepare)."""
         lora_slots = None
         if self.lora is not None:
+            live = {s.lora_request.lora_int_id for s in self.requests.values() if s.lora_request is not None}
             lora_slots = self.lora.activate({rid: self.requests[rid].lora_request
-                                             for so in outputs for rid in so.num_scheduled_tokens})
+                                             for so in outputs for rid in so.num_scheduled_tokens}, live)
         return self._step_inputs.prepare(outputs, *self.compilation.ready_buckets, lora_slots=lora_slots)
 
     def _dispatch(self, step: PreparedStep):

@@ -236,3 +236,34 @@ def test_lora_request_without_enable_lora_is_refused(llama):
     llm = make_llm(base, enable_lora=False)
     with pytest.raises(ValueError, match="but LoRA is not enabled"):
         llm.generate("w5", GREEDY, use_tqdm=False, lora_request=adapters["all8"][0])
+
+
+def test_slot_victims_prefer_adapters_no_request_holds(llama, llama_llm):
+    """With every slot taken, a new adapter replaces the least recently used one that no
+    live request (e.g. one preempted, or not scheduled this step) still needs."""
+    _, adapters = llama
+    a, b, c = (adapters[n][0] for n in ("all8", "qv4", "attn1"))
+    manager = llama_llm.llm_engine.model_runner.lora  # two slots
+    manager.activate({"x": a})
+    manager.activate({"y": b})  # a is now the least recently used
+    slots = manager.activate({"z": c}, live={a.lora_int_id})
+    assert set(manager._slot_of) == {a.lora_int_id, c.lora_int_id} and slots["z"] >= 1
+    manager.activate({"w": b})  # nothing live: the least recently used (a) goes
+    assert set(manager._slot_of) == {b.lora_int_id, c.lora_int_id}
+
+
+def test_async_scheduling_with_adapters(llama, llama_llm):
+    """Step N + 1's adapters are copied into their slots while step N runs (the copy
+    donates the slot buffers the running step reads): the tokens are the synchronous
+    engine's."""
+    base, adapters = llama
+    ps = prompts(8, [9, 21, 14, 30, 5, 17])
+    loras = [adapters["all8"][0], adapters["qv4"][0], adapters["attn1"][0], None] * 2
+    loras = loras[:len(ps)]
+    sync = [o.outputs[0].token_ids for o in llama_llm.generate(
+        [{"prompt_token_ids": p} for p in ps], GREEDY, use_tqdm=False, lora_request=loras)]
+    llm = make_llm(base, async_scheduling=True, max_loras=1)  # one slot: a copy almost every step
+    out = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in ps], GREEDY, use_tqdm=False, lora_request=loras)]
+    assert out == sync
+    assert llm.llm_engine.model_runner.lora.num_slot_writes > 4

@@ -1,0 +1,163 @@
+"""Multi-LoRA offline throughput (issue 32): the default model without LoRA, then with
+--enable-lora (max_loras 4) serving 0, 1 and 4 random adapters of each rank (the
+prompts' adapters taken in turn), one LLM.generate over all prompts each, the rounds of
+all cases interleaved (--repeats, the median of each).
+
+    python benchmarks/bench_lora.py --num-prompts 64 --input-len 128 --output-len 64
+    python benchmarks/bench_lora.py --peer vllm --peer-python ../vllm-venv/bin/python
+
+The adapters are PEFT folders written here with random A and B for all seven
+projections (both engines read the same files). With --peer vllm, vLLM's CPU build runs
+the same prompts and adapters first, in its own environment (peer_throughput.py
+--lora-dirs), at its default dtype (bfloat16 on x86) unless --peer-dtype says otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_throughput import make_prompts, peer_python  # noqa: E402
+from common import commit_line, engine_kwargs, machine_line, parse_engine_args, run_peer_script  # noqa: E402
+
+MODULES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def write_random_adapter(model_dir: Path, out: Path, rank: int, seed: int) -> Path:
+    """A PEFT LoRA folder for ``model_dir`` with random A, B (every projection of every layer)."""
+    from safetensors.numpy import save_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    d, f = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or d // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+              "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for group, names in MODULES.items():
+            for name in names:
+                d_in, d_out = shapes[name]
+                key = f"base_model.model.model.layers.{layer}.{group}.{name}"
+                tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((rank, d_in)) / np.sqrt(d_in)).astype(np.float32)
+                tensors[f"{key}.lora_B.weight"] = (0.01 * rng.standard_normal((d_out, rank))).astype(np.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir), "r": rank,
+        "lora_alpha": 2 * rank, "target_modules": [n for names in MODULES.values() for n in names],
+        "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "modules_to_save": None}))
+    return out
+
+
+def jaxserve_engine(args, engine_args, model_dir: Path, rank: int | None, adapters: list[Path]):
+    """(LLM, its adapters' LoRARequests): LoRA on (max_loras = the adapters) when ``rank``."""
+    from jaxserve import LLM
+    from jaxserve.lora import LoRARequest
+
+    lora = dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=rank,
+                max_cpu_loras=len(adapters)) if rank else {}
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(engine_args, model=str(model_dir), **lora), compilation_cache=not args.no_compilation_cache)
+    print(f"jaxserve rank {rank or '-'}: started in {time.perf_counter() - t0:.1f} s", flush=True)
+    loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)] if rank else []
+    for lr in loras:  # read before the clock, as the peer does
+        llm.add_lora(lr)
+    return llm, loras
+
+
+def run_jaxserve(args, engine_args, model_dir: Path, prompts, adapters: dict[int, list[Path]]) -> list[dict]:
+    """Every engine first, then the timed runs interleaved (--repeats rounds of each
+    engine and adapter count; the median of each): the VM's drift hits all alike."""
+    from jaxserve import SamplingParams
+
+    engines = {None: jaxserve_engine(args, engine_args, model_dir, None, [])}
+    for r in args.ranks:
+        engines[r] = jaxserve_engine(args, engine_args, model_dir, r, adapters[r])
+    sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    cases = [(rank, count) for rank in engines for count in (args.lora_counts if rank else [0])]
+    times: dict[tuple, list[float]] = {c: [] for c in cases}
+    produced = {}
+    for rep in range(-1, args.repeats):  # round -1: untimed (the first generate of an engine runs cold)
+        for rank, count in cases:
+            llm, loras = engines[rank]
+            chosen = [loras[i % count] if count else None for i in range(len(prompts))]
+            t0 = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, lora_request=chosen)
+            if rep < 0:
+                continue
+            times[rank, count].append(time.perf_counter() - t0)
+            produced[rank, count] = sum(len(o.outputs[0].token_ids) for o in outs)
+            print(f"round {rep + 1}: jaxserve rank {rank or '-'} adapters {count}: "
+                  f"{produced[rank, count] / times[rank, count][-1]:.1f} output tok/s", flush=True)
+    return [{"engine": "jaxserve", "rank": rank, "num_adapters": count,
+             "output_tokens_per_s": produced[rank, count] / float(np.median(times[rank, count]))}
+            for rank, count in cases]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--input-len-range", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--lora-counts", type=int, nargs="+", default=[0, 1, 4],
+                    help="adapters in use per run (the engine has max_loras = the largest)")
+    ap.add_argument("--peer", choices=("vllm",), nargs="*", default=[])
+    ap.add_argument("--peer-python", nargs="+", default=[])
+    ap.add_argument("--peer-dtype", default="auto")
+    ap.add_argument("--save-adapters", default=None, metavar="DIR",
+                    help="only write the random adapters (DIR/r{rank}-{i}, the largest --lora-counts of each "
+                         "rank) and exit: adapters to try --lora-modules and the load route with")
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds per case (jaxserve; the median)")
+    ap.add_argument("--no-compilation-cache", action="store_true")
+    args, engine_args = parse_engine_args(ap, max_model_len=1024)
+
+    from models.default_model import default_model_dir
+
+    model_dir = Path(engine_args.model) if engine_args.model else default_model_dir()
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = make_prompts(args, vocab)
+    tmp = Path(args.save_adapters or tempfile.mkdtemp(prefix="jaxserve-lora-bench-"))
+    n = max(args.lora_counts)
+    adapters = {r: [write_random_adapter(model_dir, tmp / f"r{r}-{i}", r, seed=100 * r + i) for i in range(n)]
+                for r in args.ranks}
+    if args.save_adapters:
+        print("\n".join(str(p) for ps in adapters.values() for p in ps))
+        return
+    print(machine_line())
+    print(commit_line())
+    print(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+          f"{args.output_len} out; adapters: ranks {args.ranks}, all 7 projections, max_loras {n}")
+    rows = []
+    for name in args.peer:
+        flags = ["--output-len", str(args.output_len), "--batch-size", str(engine_args.max_num_seqs),
+                 "--max-model-len", str(engine_args.max_model_len), "--dtype", args.peer_dtype]
+        rows += [r | {"rank": None, "num_adapters": 0}
+                 for r in [run_peer_script(peer_python(args, name), prompts, name, str(model_dir), *flags)]]
+        for r in args.ranks:
+            rows += [x | {"rank": r} for x in run_peer_script(
+                peer_python(args, name), prompts, name, str(model_dir), *flags, "--lora-dirs",
+                *map(str, adapters[r]), "--lora-counts", *map(str, args.lora_counts), "--max-lora-rank", str(r),
+                every=True)]
+    rows += run_jaxserve(args, engine_args, model_dir, prompts, adapters)
+    print("\n| engine | rank | adapters in use | output tok/s | vs the same engine without LoRA |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        base = next(x for x in rows if x["engine"] == row["engine"] and x["rank"] is None)
+        print(f"| {row['engine']} | {row['rank'] or 'no LoRA'} | {row['num_adapters']} | "
+              f"{row['output_tokens_per_s']:.1f} | {row['output_tokens_per_s'] / base['output_tokens_per_s']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
