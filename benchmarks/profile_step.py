@@ -140,15 +140,16 @@ def main() -> None:
         return q, kv_cache
 
     @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("layout",))
-    def step_without_attention(state, kv_cache, packed, *, layout):
-        input_ids, positions, md, _, _ = layout.unpack(packed)
+    def step_without_attention(state, kv_cache, packed, lora_buffers, *, layout):
+        # lora_buffers: the model step's adapter slots argument (None: this engine has no LoRA)
+        input_ids, positions, md, *_ = layout.unpack(packed)
         model = nnx.merge(runner.graphdef, state)
         hidden, kv_cache = model(input_ids, positions, kv_cache, md, no_attention)
         return hidden, kv_cache
 
     @functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("layout",))
-    def step_with_attention(state, kv_cache, packed, *, layout):
-        input_ids, positions, md, _, _ = layout.unpack(packed)
+    def step_with_attention(state, kv_cache, packed, lora_buffers, *, layout):
+        input_ids, positions, md, *_ = layout.unpack(packed)
         model = nnx.merge(runner.graphdef, state)
         hidden, kv_cache = model(input_ids, positions, kv_cache, md, runner._attention)
         return hidden, kv_cache
