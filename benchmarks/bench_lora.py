@@ -150,6 +150,9 @@ def main() -> None:
                 peer_python(args, name), prompts, name, str(model_dir), *flags, "--lora-dirs",
                 *map(str, adapters[r]), "--lora-counts", *map(str, args.lora_counts), "--max-lora-rank", str(r),
                 every=True)]
+        # Each peer's rows as they come: a later failure does not lose a run of many minutes.
+        for row in rows:
+            print(json.dumps(row), flush=True)
     rows += run_jaxserve(args, engine_args, model_dir, prompts, adapters)
     print("\n| engine | rank | adapters in use | output tok/s | vs the same engine without LoRA |")
     print("|---|---|---|---|---|")
