@@ -19,19 +19,24 @@ import contextvars
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 TILE_ROWS = 64  # rows per fixed-shape tile (products and row-wise reductions)
 _INVARIANT = contextvars.ContextVar("batch_invariant", default=False)
+# The data-parallel mesh whose 'data' axis splits the rows (dp > 1, tp = 1), or None.
+_RANK_MESH = contextvars.ContextVar("batch_invariant_mesh", default=None)
 
 
 @contextlib.contextmanager
-def invariant(enabled: bool):
-    """While tracing inside, ``active()`` is ``enabled``."""
-    token = _INVARIANT.set(enabled)
+def invariant(enabled: bool, mesh=None):
+    """While tracing inside, ``active()`` is ``enabled``; ``mesh``: a data-parallel mesh
+    whose 'data' axis splits every row-wise array, so that tiles are cut per rank."""
+    tokens = _INVARIANT.set(enabled), _RANK_MESH.set(mesh)
     try:
         yield
     finally:
-        _INVARIANT.reset(token)
+        _RANK_MESH.reset(tokens[1])
+        _INVARIANT.reset(tokens[0])
 
 
 def active() -> bool:
@@ -44,7 +49,22 @@ def map_rows(fn, *arrays, tile: int = TILE_ROWS):
     rows on axis 0; pytree leaves alike), zero padded: fn(*tiles) -> pytree of [tile, ...]
     -> the same pytree of [rows, ...]. Each tile is one call of the same compiled body,
     traced with the mode off: a tile is one fixed shape already, so what fn calls (a
-    sampler's log-softmax, say) runs on it as it comes instead of tiling it again."""
+    sampler's log-softmax, say) runs on it as it comes instead of tiling it again.
+
+    Under a data-parallel mesh (``invariant(..., mesh)``) each rank tiles its own rows
+    (shard_map): left to the partitioner, a tile spanning two ranks' rows was cut in
+    halves, a [32, in] product with other bits than the one device's [64, in] (float32
+    on an AVX2 CPU, where the native kernel does not take the products)."""
+    mesh = _RANK_MESH.get()
+    leaves = jax.tree.leaves(arrays)
+    if mesh is not None and leaves[0].shape[0] % mesh.shape["data"] == 0:
+        local = jax.shard_map(lambda *xs: _map_rows(fn, xs, tile), mesh=mesh, in_specs=(P("data"),) * len(arrays),
+                              out_specs=P("data"), check_vma=False)
+        return local(*arrays)
+    return _map_rows(fn, arrays, tile)
+
+
+def _map_rows(fn, arrays, tile: int):
     leaves = jax.tree.leaves(arrays)
     m = leaves[0].shape[0]
     tiles = max(1, -(-m // tile))

@@ -144,7 +144,7 @@ def native_products(enabled: bool, batch_invariant: bool = False, mesh=None):
     (``invariant_matmul``)."""
     tokens = _NATIVE_PRODUCTS.set(enabled), _NATIVE_MESH.set(mesh)
     try:
-        with batch_invariance.invariant(batch_invariant):
+        with batch_invariance.invariant(batch_invariant, mesh):
             yield
     finally:
         _NATIVE_MESH.reset(tokens[1])
