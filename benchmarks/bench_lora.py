@@ -1,7 +1,7 @@
 """Multi-LoRA offline throughput (issue 32): the default model without LoRA, then with
 --enable-lora (max_loras 4) serving 0, 1 and 4 random adapters of each rank (the
-prompts' adapters taken in turn), one LLM.generate over all prompts each, the rounds of
-all cases interleaved (--repeats, the median of each).
+prompts' adapters taken in turn), one LLM.generate over all prompts each (--repeats
+rounds, the median of each). Each engine runs in a process of its own, as the peer's do.
 
     python benchmarks/bench_lora.py --num-prompts 64 --input-len 128 --output-len 64
     python benchmarks/bench_lora.py --peer vllm --peer-python ../vllm-venv/bin/python
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -75,33 +76,41 @@ def jaxserve_engine(args, engine_args, model_dir: Path, rank: int | None, adapte
     return llm, loras
 
 
-def run_jaxserve(args, engine_args, model_dir: Path, prompts, adapters: dict[int, list[Path]]) -> list[dict]:
-    """Every engine first, then the timed runs interleaved (--repeats rounds of each
-    engine and adapter count; the median of each): the VM's drift hits all alike."""
+def run_jaxserve(args, engine_args, model_dir: Path, prompts, adapters: list[Path], rank: int | None) -> list[dict]:
+    """One engine (LoRA at ``rank``, or none) in this process: --repeats rounds of each
+    adapter count after an untimed one (the first generate of an engine runs cold); the
+    median of each."""
     from jaxserve import SamplingParams
 
-    engines = {None: jaxserve_engine(args, engine_args, model_dir, None, [])}
-    for r in args.ranks:
-        engines[r] = jaxserve_engine(args, engine_args, model_dir, r, adapters[r])
+    llm, loras = jaxserve_engine(args, engine_args, model_dir, rank, adapters)
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    cases = [(rank, count) for rank in engines for count in (args.lora_counts if rank else [0])]
-    times: dict[tuple, list[float]] = {c: [] for c in cases}
+    counts = args.lora_counts if rank else [0]
+    times: dict[int, list[float]] = {c: [] for c in counts}
     produced = {}
-    for rep in range(-1, args.repeats):  # round -1: untimed (the first generate of an engine runs cold)
-        for rank, count in cases:
-            llm, loras = engines[rank]
+    for rep in range(-1, args.repeats):
+        for count in counts:
             chosen = [loras[i % count] if count else None for i in range(len(prompts))]
             t0 = time.perf_counter()
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, lora_request=chosen)
             if rep < 0:
                 continue
-            times[rank, count].append(time.perf_counter() - t0)
-            produced[rank, count] = sum(len(o.outputs[0].token_ids) for o in outs)
+            times[count].append(time.perf_counter() - t0)
+            produced[count] = sum(len(o.outputs[0].token_ids) for o in outs)
             print(f"round {rep + 1}: jaxserve rank {rank or '-'} adapters {count}: "
-                  f"{produced[rank, count] / times[rank, count][-1]:.1f} output tok/s", flush=True)
+                  f"{produced[count] / times[count][-1]:.1f} output tok/s", flush=True)
     return [{"engine": "jaxserve", "rank": rank, "num_adapters": count,
-             "output_tokens_per_s": produced[rank, count] / float(np.median(times[rank, count]))}
-            for rank, count in cases]
+             "output_tokens_per_s": produced[count] / float(np.median(times[count]))} for count in counts]
+
+
+def run_jaxserve_apart(rank: int | None, adapters: list[Path]) -> list[dict]:
+    """run_jaxserve in a process of its own (this script with --only-rank), as the peer's
+    ranks run: three engines held in one process had run the second and third ~35%
+    slower than each alone (no LoRA 128 vs 182 tok/s alone, LoRA 84 vs 180)."""
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--only-rank", str(rank or 0),
+           "--adapter-paths", *map(str, adapters)]
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+    print("\n".join(line for line in out.splitlines() if line.startswith(("round", "jaxserve"))), flush=True)
+    return [json.loads(line) for line in out.splitlines() if line.startswith('{"engine"')]
 
 
 def main() -> None:
@@ -121,6 +130,8 @@ def main() -> None:
                          "rank) and exit: adapters to try --lora-modules and the load route with")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds per case (jaxserve; the median)")
     ap.add_argument("--no-compilation-cache", action="store_true")
+    ap.add_argument("--only-rank", type=int, default=None, help=argparse.SUPPRESS)  # one engine: run_jaxserve_apart
+    ap.add_argument("--adapter-paths", nargs="*", default=[], help=argparse.SUPPRESS)
     args, engine_args = parse_engine_args(ap, max_model_len=1024)
 
     from models.default_model import default_model_dir
@@ -128,6 +139,11 @@ def main() -> None:
     model_dir = Path(engine_args.model) if engine_args.model else default_model_dir()
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(args, vocab)
+    if args.only_rank is not None:
+        for row in run_jaxserve(args, engine_args, model_dir, prompts, [Path(p) for p in args.adapter_paths],
+                                args.only_rank or None):
+            print(json.dumps(row), flush=True)
+        return
     tmp = Path(args.save_adapters or tempfile.mkdtemp(prefix="jaxserve-lora-bench-"))
     n = max(args.lora_counts)
     adapters = {r: [write_random_adapter(model_dir, tmp / f"r{r}-{i}", r, seed=100 * r + i) for i in range(n)]
@@ -153,7 +169,8 @@ def main() -> None:
         # Each peer's rows as they come: a later failure does not lose a run of many minutes.
         for row in rows:
             print(json.dumps(row), flush=True)
-    rows += run_jaxserve(args, engine_args, model_dir, prompts, adapters)
+    for rank in [None, *args.ranks]:
+        rows += run_jaxserve_apart(rank, adapters[rank] if rank else [])
     print("\n| engine | rank | adapters in use | output tok/s | vs the same engine without LoRA |")
     print("|---|---|---|---|---|")
     for row in rows:
