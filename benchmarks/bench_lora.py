@@ -104,8 +104,8 @@ def run_jaxserve(args, engine_args, model_dir: Path, prompts, adapters: list[Pat
 
 def run_jaxserve_apart(rank: int | None, adapters: list[Path]) -> list[dict]:
     """run_jaxserve in a process of its own (this script with --only-rank), as the peer's
-    ranks run: three engines held in one process had run the second and third ~35%
-    slower than each alone (no LoRA 128 vs 182 tok/s alone, LoRA 84 vs 180)."""
+    ranks run: with three engines held in one process, each ran slower than alone (no
+    LoRA: 128 tok/s there, 185 alone)."""
     cmd = [sys.executable, __file__, *sys.argv[1:], "--only-rank", str(rank or 0),
            "--adapter-paths", *map(str, adapters)]
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout

@@ -44,6 +44,17 @@ def active() -> bool:
     return _INVARIANT.get()
 
 
+def rank_mesh(rows: int):
+    """The data-parallel mesh whose ranks each take their own ``rows`` // dp rows
+    (``invariant(..., mesh)``), or None (one device, or no such mesh). Rows that do not
+    split evenly over the ranks are a ValueError: no rank could keep its rows' tiles."""
+    mesh = _RANK_MESH.get()
+    if mesh is not None and rows % mesh.shape["data"]:
+        raise ValueError(f"batch-invariant row tiles under data parallelism: {rows} rows do not split over "
+                         f"{mesh.shape['data']} ranks")
+    return mesh
+
+
 def map_rows(fn, *arrays, tile: int = TILE_ROWS):
     """fn over tiles of ``tile`` rows of every array in ``arrays`` (all the same number of
     rows on axis 0; pytree leaves alike), zero padded: fn(*tiles) -> pytree of [tile, ...]
@@ -55,9 +66,8 @@ def map_rows(fn, *arrays, tile: int = TILE_ROWS):
     (shard_map): left to the partitioner, a tile spanning two ranks' rows was cut in
     halves, a [32, in] product with other bits than the one device's [64, in] (float32
     on an AVX2 CPU, where the native kernel does not take the products)."""
-    mesh = _RANK_MESH.get()
-    leaves = jax.tree.leaves(arrays)
-    if mesh is not None and leaves[0].shape[0] % mesh.shape["data"] == 0:
+    mesh = rank_mesh(jax.tree.leaves(arrays)[0].shape[0])
+    if mesh is not None:
         local = jax.shard_map(lambda *xs: _map_rows(fn, xs, tile), mesh=mesh, in_specs=(P("data"),) * len(arrays),
                               out_specs=P("data"), check_vma=False)
         return local(*arrays)

@@ -129,9 +129,6 @@ _NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # (pallas_kernels/cpu_matmul.py; not partitioned, so one device only), and batch-invariant
 # products (docs/batch_invariance.md).
 _NATIVE_PRODUCTS = contextvars.ContextVar("native_products", default=False)
-# The data-parallel mesh the native kernel runs under (batch-invariant mode with dp > 1,
-# tp = 1: each device multiplies its own rank's rows), or None: one device.
-_NATIVE_MESH = contextvars.ContextVar("native_mesh", default=None)
 
 
 @contextlib.contextmanager
@@ -142,13 +139,13 @@ def native_products(enabled: bool, batch_invariant: bool = False, mesh=None):
     ``batch_invariant``: the model code in batch-invariant mode (models/batch_invariance.py),
     every product computing each row the same way whatever the rows around it
     (``invariant_matmul``)."""
-    tokens = _NATIVE_PRODUCTS.set(enabled), _NATIVE_MESH.set(mesh)
+    token = _NATIVE_PRODUCTS.set(enabled)
     try:
+        # The mesh (dp > 1, tp = 1): each device multiplies and tiles its own rank's rows.
         with batch_invariance.invariant(batch_invariant, mesh):
             yield
     finally:
-        _NATIVE_MESH.reset(tokens[1])
-        _NATIVE_PRODUCTS.reset(tokens[0])
+        _NATIVE_PRODUCTS.reset(token)
 
 
 def matmul(x, w, *, transposed: bool = False):
@@ -204,13 +201,10 @@ def invariant_matmul(x, w, *, transposed: bool = False, native: bool = False):
     (``native``: bf16 weights on an AVX512-BF16 CPU) it is used for every row count
     instead: it sums each row in one fixed order by construction (cpu_matmul.py)."""
     if native and cpu_matmul.takes(x, w, transposed, any_rows=True):
-        mesh = _NATIVE_MESH.get()
+        rows = math.prod(x.shape[:-1])
+        mesh = batch_invariance.rank_mesh(rows)
         if mesh is None:
             return cpu_matmul.matmul_bf16(x, w, transposed).astype(x.dtype)
-        rows = math.prod(x.shape[:-1])
-        if rows % mesh.shape["data"]:
-            raise ValueError(f"batch-invariant products under data parallelism: {rows} rows do not split over "
-                             f"{mesh.shape['data']} ranks")
         # A custom call has no partitioning rule: each device runs it on its rank's rows.
         local = jax.shard_map(functools.partial(cpu_matmul.matmul_bf16, transposed=transposed), mesh=mesh,
                               in_specs=(P("data"), P()), out_specs=P("data"), check_vma=False)
