@@ -6,6 +6,11 @@ rounds, the median of each). Each engine runs in a process of its own, as the pe
     python benchmarks/bench_lora.py --num-prompts 64 --input-len 128 --output-len 64
     python benchmarks/bench_lora.py --peer vllm --peer-python ../vllm-venv/bin/python
 
+Prefix caching is off in every engine: the rounds repeat the same prompts, and with it on
+a run after one of the same adapter skips the prompts' prefill (the no-LoRA rounds all
+hit the cache, a LoRA engine's 0-adapter round after a 4-adapter round mostly missed:
+that read as a 0.64 LoRA overhead, 1.00 with the cache off).
+
 The adapters are PEFT folders written here with random A and B for all seven
 projections (both engines read the same files). With --peer vllm, vLLM's CPU build runs
 the same prompts and adapters first, in its own environment (peer_throughput.py
@@ -68,7 +73,8 @@ def jaxserve_engine(args, engine_args, model_dir: Path, rank: int | None, adapte
     lora = dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=rank,
                 max_cpu_loras=len(adapters)) if rank else {}
     t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(engine_args, model=str(model_dir), **lora), compilation_cache=not args.no_compilation_cache)
+    llm = LLM(**engine_kwargs(engine_args, model=str(model_dir), enable_prefix_caching=False, **lora),
+              compilation_cache=not args.no_compilation_cache)
     print(f"jaxserve rank {rank or '-'}: started in {time.perf_counter() - t0:.1f} s", flush=True)
     loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)] if rank else []
     for lr in loras:  # read before the clock, as the peer does
@@ -158,7 +164,7 @@ def main() -> None:
     rows = []
     for name in args.peer:
         flags = ["--output-len", str(args.output_len), "--batch-size", str(engine_args.max_num_seqs),
-                 "--max-model-len", str(engine_args.max_model_len), "--dtype", args.peer_dtype]
+                 "--max-model-len", str(engine_args.max_model_len), "--dtype", args.peer_dtype, "--no-prefix-caching"]
         rows += [r | {"rank": None, "num_adapters": 0}
                  for r in [run_peer_script(peer_python(args, name), prompts, name, str(model_dir), *flags)]]
         for r in args.ranks:

@@ -34,7 +34,7 @@ def vllm_llm(args):
         lora = dict(enable_lora=True, max_loras=len(args.lora_dirs), max_lora_rank=args.max_lora_rank,
                     max_cpu_loras=len(args.lora_dirs))
     return LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0,
-               max_num_seqs=args.batch_size, **lora)
+               max_num_seqs=args.batch_size, enable_prefix_caching=not args.no_prefix_caching, **lora)
 
 
 def run_vllm_lora(args, prompts) -> list[dict]:
@@ -155,6 +155,8 @@ def main() -> None:
     ap.add_argument("--lora-dirs", nargs="+", default=[], help="vllm only: PEFT adapter folders (see above)")
     ap.add_argument("--lora-counts", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--max-lora-rank", type=int, default=16)
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="vllm only: prefix caching off (runs that repeat prompts then all start cold)")
     ap.add_argument("--greedy", action="store_true",
                     help="vllm only: print each prompt's greedy output and its logprobs instead of timing")
     args = ap.parse_args()
