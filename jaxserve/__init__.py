@@ -3,12 +3,15 @@
 The engine core (jaxserve.core) is pure Python; importing this package does not
 import JAX until LLM is touched.
 """
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import (ClassificationRequestOutput, CompletionOutput, EmbeddingRequestOutput,
+                              PoolingRequestOutput, RequestOutput, ScoringRequestOutput)
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind", "StructuredOutputsParams",
-           "__version__"]
+           "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput", "ClassificationRequestOutput",
+           "ScoringRequestOutput", "__version__"]
 
 
 def __getattr__(name):

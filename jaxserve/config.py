@@ -114,6 +114,37 @@ class ParallelConfig:
                              f"with num_processes={self.num_processes}")
 
 
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify")
+POOLING_TYPES = ("LAST", "CLS", "MEAN")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolerConfig:
+    """How a pooling model turns a prompt's hidden states into its output (vLLM's
+    --pooler-config; docs/pooling.md). The defaults are request defaults: a request's
+    PoolingParams may override normalize / use_activation / dimensions."""
+
+    task: str  # "embed" or "classify": what the model is served as
+    pooling_type: str = "LAST"  # one of POOLING_TYPES: the last token, the first, or the mean
+    normalize: bool = True  # embed: L2-normalize the output
+    use_activation: bool = True  # classify: softmax over the labels (sigmoid for one label)
+    dimensions: int | None = None  # embed: default Matryoshka truncation (None: all)
+    # Matryoshka models (config.json is_matryoshka / matryoshka_dimensions): only they take dimensions.
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
+    num_labels: int = 0  # classify: the score head's outputs
+
+    def __post_init__(self) -> None:
+        if self.task not in ("embed", "classify"):
+            raise ValueError(f"pooler_config: task must be 'embed' or 'classify', got {self.task!r}")
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooler_config: pooling_type must be one of {', '.join(POOLING_TYPES)}, "
+                             f"got {self.pooling_type!r}")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"pooler_config: dimensions must be at least 1, got {self.dimensions}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     model: str  # local folder (HF layout)
@@ -136,6 +167,13 @@ class ModelConfig:
     # Every row's tokens and logprobs independent of the step's other rows, its bucket,
     # chunking, data-parallel rank and speculation (docs/batch_invariance.md).
     batch_invariant: bool = False
+    # None: a generative model; else the pooling runner serves it (docs/pooling.md).
+    pooler_config: PoolerConfig | None = None
+
+    @property
+    def runner(self) -> str:
+        """'pooling' or 'generate' (vLLM's --runner, resolved)."""
+        return "generate" if self.pooler_config is None else "pooling"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -335,6 +373,14 @@ class EngineConfig:
         # scheduling does not wait for (vLLM refused the pair too, at first).
         if sc.async_scheduling and self.speculative_config is not None:
             raise ValueError("async_scheduling does not work with speculative_config yet; use one or the other")
+        if self.model_config.pooler_config is not None:
+            # A pooling request ends with its prefill: nothing to sample, speculate or run ahead of.
+            if self.speculative_config is not None:
+                raise ValueError("speculative_config does not apply to a pooling model (runner='pooling')")
+            if sc.async_scheduling:
+                raise ValueError("async_scheduling does not apply to a pooling model (runner='pooling')")
+            if self.lora_config is not None:
+                raise ValueError("enable_lora does not work with a pooling model (runner='pooling') yet")
         if self.lora_config is not None:
             pc = self.parallel_config
             # The adapters' device slots are one set for the whole mesh, and the per-step

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -11,7 +12,9 @@ from jaxserve.config import DEFAULT_MAX_MODEL_LEN
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core import pause_mode
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
+                              RequestOutput, ScoringOutput, ScoringRequestOutput)
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.runner.compilation_cache import enable_compilation_cache
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -253,7 +256,82 @@ class LLM:
             items.append((text, sp, False))
         return self._run(items, use_tqdm=use_tqdm, loras=self._lora_list(len(convs), lora_request))
 
-    def _run(self, items, *, use_tqdm: bool, priority=None, loras=None) -> list[RequestOutput]:
+    # ------------------------------------------------------------------ pooling models (docs/pooling.md)
+    def encode(self, prompts, pooling_params=None, *, use_tqdm: bool = True,
+               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """The raw pooled output of each prompt (``.outputs.data``: float32 [D] of an
+        embedding model, unnormalized, or a classifier's logits [num_labels]).
+        pooling_params: one PoolingParams for all, a list, or None (task "encode")."""
+        return self._pool(prompts, pooling_params, "encode", use_tqdm, truncate_prompt_tokens)
+
+    def embed(self, prompts, pooling_params=None, *, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``.outputs.embedding``: a list of D floats,
+        normalized unless the pooler config or PoolingParams(normalize=False) says not;
+        PoolingParams(dimensions=k) keeps the first k of a Matryoshka model's)."""
+        return [EmbeddingRequestOutput.from_base(o)
+                for o in self._pool(prompts, pooling_params, "embed", use_tqdm, truncate_prompt_tokens)]
+
+    def classify(self, prompts, pooling_params=None, *, use_tqdm: bool = True,
+                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+        """Label probabilities per prompt (``.outputs.probs``: softmax over num_labels, a
+        sigmoid for one label) of a sequence classifier."""
+        return [ClassificationRequestOutput.from_base(o)
+                for o in self._pool(prompts, pooling_params, "classify", use_tqdm, truncate_prompt_tokens)]
+
+    def reward(self, prompts, *, use_tqdm: bool = True,
+               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """A reward model's scores per prompt (``.outputs.data``: the score head's raw
+        outputs [num_labels] on the last token, no activation)."""
+        if self.config.model_config.pooler_config is None or self.config.model_config.pooler_config.task != "classify":
+            raise ValueError("reward() needs a sequence classifier (a *ForSequenceClassification reward model)")
+        return self._pool(prompts, None, "encode", use_tqdm, truncate_prompt_tokens)
+
+    def score(self, text_1, text_2, *, use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """Relevance scores (``.outputs.score``) of pairs, vLLM's pairing: one text_1
+        against each text_2 (1:N), or text_1[i] with text_2[i] (N:N). A cross-encoder
+        (a one-label classifier) reads each pair as one input (the tokenizer's pair
+        encoding) and scores it with a sigmoid; an embedding model scores the cosine of
+        the two embeddings."""
+        t1 = [text_1] if isinstance(text_1, (str, dict)) else list(text_1)
+        t2 = [text_2] if isinstance(text_2, (str, dict)) else list(text_2)
+        if not t1 or not t2:
+            raise ValueError("score: text_1 and text_2 need at least one text each")
+        if len(t1) == 1:
+            t1 = t1 * len(t2)
+        if len(t1) != len(t2):
+            raise ValueError(f"score: text_1 has {len(t1)} texts and text_2 {len(t2)}: pass one text_1, or as many "
+                             f"as text_2")
+        pooler = self.config.model_config.pooler_config
+        params = replace(pooling_params or PoolingParams(), task="score")
+        if pooler is not None and pooler.task == "classify":
+            if pooler.num_labels != 1:
+                raise ValueError(f"score: a cross-encoder has one label; this classifier has {pooler.num_labels} "
+                                 f"(use classify())")
+            outs = self._pool(list(zip(t1, t2)), params, "score", use_tqdm, truncate_prompt_tokens)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])), o.prompt_token_ids)
+                    for o in outs]
+        both = self._pool(t1 + t2, replace(params, normalize=True), "score", use_tqdm, truncate_prompt_tokens)
+        n = len(t1)
+        return [ScoringRequestOutput(a.request_id, ScoringOutput(float(np.dot(a.outputs.data, b.outputs.data))),
+                                     a.prompt_token_ids + b.prompt_token_ids)
+                for a, b in zip(both[:n], both[n:])]
+
+    def _pool(self, prompts, pooling_params, task: str, use_tqdm: bool, truncate_prompt_tokens):
+        if isinstance(prompts, (str, dict, tuple)):
+            prompts = [prompts]
+        params = pooling_params
+        if params is None or isinstance(params, PoolingParams):
+            params = [params or PoolingParams()] * len(prompts)
+        elif len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} pooling_params for {len(prompts)} prompts")
+        params = [replace(p, task=p.task or task) if p.task in (None, task) else p for p in params]
+        if truncate_prompt_tokens is not None:
+            params = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        return self._run([(p, None, True) for p in prompts], use_tqdm=use_tqdm, pooling=params)
+
+    def _run(self, items, *, use_tqdm: bool, priority=None, loras=None, pooling=None) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
         with self._lock:  # pause_generation("abort") from another thread sees all of them or none
@@ -261,6 +339,11 @@ class LLM:
                 for i, (prompt, sp, add_special) in enumerate(items):
                     rid = str(self._counter)
                     self._counter += 1
+                    if pooling is not None:
+                        engine.add_pooling_request(rid, prompt, pooling[i], add_special_tokens=add_special,
+                                                   priority=priority[i] if priority else 0)
+                        ids.append(rid)
+                        continue
                     sp = sp.replace(output_kind=RequestOutputKind.FINAL_ONLY)
                     engine.add_request(rid, prompt, sp, add_special_tokens=add_special,
                                        priority=priority[i] if priority else 0,

@@ -39,6 +39,9 @@ class ModelRunnerOutput:
     logprobs_stride: int = 1
     # Speculative decoding: the proposer's next drafts, by request (those that have some).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # The pooling runner: each request whose prompt ended this step -> its pooled output
+    # (float32 [D] or [num_labels], before PoolingParams' normalization).
+    pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], {}, [])
@@ -69,6 +72,7 @@ class EngineCoreOutput:
     # request has ended (finish_reason abort) and its caller gets this error.
     error: str | None = None
     error_is_client: bool = False  # the request's own fault (see RequestFailedError.client_error)
+    pooling_output: np.ndarray | None = None  # a pooling request's pooled output (it has finished)
 
     @property
     def finished(self) -> bool:
@@ -111,3 +115,79 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict | None = None
+
+
+# ------------------------------------------------------------------ pooling (docs/pooling.md)
+@dataclass
+class PoolingOutput:
+    """data: a pooling request's output, float32 [D] (an embedding) or [num_labels]."""
+
+    data: np.ndarray
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooling request's result (vLLM's): ``outputs.data``; LLM.embed / classify /
+    score return the typed views below, whose ``outputs`` name the value."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()), out.prompt_token_ids,
+                   out.finished)
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

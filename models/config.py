@@ -59,6 +59,8 @@ class ModelArchConfig:
     # appears kv_head_replicas times, and num_key_value_heads counts the copies.
     padded_vocab_size: int | None = None  # None: vocab_size
     kv_head_replicas: int = 1
+    # Sequence classifiers (models/adapters.py): the score head's outputs; 0 for the others.
+    num_labels: int = 0
 
     def __post_init__(self) -> None:
         if self.padded_vocab_size is None:

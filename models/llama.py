@@ -260,6 +260,12 @@ class LlamaForCausalLM(CausalLM):
                 h, kv_cache = layer_fn(h, kv_cache, lw, i)
         return self.norm_fn(h, self.norm[...]), kv_cache
 
+    def pool_head(self, pooled):
+        """pooled [R, D] -> what a pooling request returns before its host-side
+        normalization (float32): the pooled state itself (an embedding model; the
+        classifiers of models/adapters.py apply their score head)."""
+        return pooled.astype(jnp.float32)
+
     def compute_logits(self, hidden):
         """hidden: [R, D] -> logits [R, V] in float32, the real vocabulary only: the
         padding rows' logits are cut off here, so a padded id is never sampled and never

@@ -27,8 +27,10 @@ from typing import Any
 
 from jaxserve.config import (
     DEFAULT_MAX_MODEL_LEN,
+    CONVERTS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DTYPES,
+    RUNNERS,
     KV_CACHE_DTYPES,
     LORA_RANKS,
     CacheConfig,
@@ -111,6 +113,16 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | None = field(
         default=ModelConfig.override_generation_config, metadata=_arg(
         'JSON object applied on top, e.g. \'{"temperature": 0.5, "max_new_tokens": 128}\'.'))
+    runner: str = field(default="auto", metadata=_arg(
+        "What the model is served for: generate (text), pooling (embeddings, classification, scores; "
+        "docs/pooling.md), or auto (pooling for *ForSequenceClassification / *Model checkpoints).",
+        choices=RUNNERS))
+    convert: str = field(default="auto", metadata=_arg(
+        "Under runner pooling: serve the model as an embedding model (embed) or a classifier (classify; "
+        "needs a score head); auto: by the architecture.", choices=CONVERTS))
+    pooler_config: dict[str, Any] | None = field(default=None, metadata=_arg(
+        'Pooling settings as a JSON object, e.g. \'{"pooling_type": "MEAN", "normalize": false}\' '
+        "(keys: pooling_type LAST / CLS / MEAN, normalize, use_activation, dimensions)."))
     # ------------------------------------------------------------------ KV cache
     block_size: int = field(default=CacheConfig.block_size, metadata=_arg("KV cache block size in tokens."))
     enable_prefix_caching: bool = field(default=CacheConfig.enable_prefix_caching, metadata=_arg(
@@ -242,7 +254,10 @@ class EngineArgs:
         from models.config import ModelArchConfig
         from models.default_model import DEFAULT_MODEL_NAME
 
+        from jaxserve.engine.pooler_resolver import resolve_pooler_config
+
         path = resolve_model_path(self.model, progress=progress)
+        pooler_config = resolve_pooler_config(path, self.runner, self.convert, self.pooler_config)
         model_limit = ModelArchConfig.from_pretrained(path).max_position_embeddings
         max_model_len = self.max_model_len
         if max_model_len is None:
@@ -257,7 +272,8 @@ class EngineArgs:
             served_model_name=self.served_model_name or self.model or DEFAULT_MODEL_NAME,
             max_logprobs=self.max_logprobs, attention_backend=self.attention_backend, scan_layers=self.scan_layers,
             generation_config=self.generation_config, override_generation_config=self.override_generation_config,
-            quantization=self.quantization, batch_invariant=self.batch_invariant or batch_invariant_env())
+            quantization=self.quantization, batch_invariant=self.batch_invariant or batch_invariant_env(),
+            pooler_config=pooler_config)
         defaults = model_config.get_diff_sampling_param()
         if defaults:
             logger.info("Sampling defaults from the model's generation config: %s (a request's own values win; "
@@ -265,7 +281,10 @@ class EngineArgs:
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
-                block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                block_size=self.block_size,
+                # MEAN / CLS need every token's hidden state: a cached prefix would skip them.
+                enable_prefix_caching=self.enable_prefix_caching and (
+                    pooler_config is None or pooler_config.pooling_type == "LAST"),
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override, kv_cache_memory=self.kv_cache_memory,
                 cache_dtype=self.kv_cache_dtype),

@@ -13,6 +13,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.fault_injection import FaultInjector
 from jaxserve.outputs import RequestFailedError, RequestOutput
 from jaxserve.request import Request
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_output import StructuredOutputManager
 
@@ -60,7 +61,8 @@ class LLMEngine:
             blocks_held=lambda n: runner.kv_cache_layout.blocks_held(
                 n, runner.block_size, config.scheduler_config.max_num_batched_tokens),
             structured_output_manager=self.structured_output_manager)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        pooler = mc.pooler_config
+        self.output_processor = OutputProcessor(self.tokenizer, pooler.task if pooler is not None else None)
         # Tests and drills: JAXSERVE_FAULTS (engine/fault_injection.py); None normally.
         self.fault_injector = FaultInjector.from_env()
         self.startup_seconds = time.perf_counter() - t0
@@ -131,6 +133,9 @@ class LLMEngine:
         and checked here on first use), None: the base model."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if self.config.model_config.pooler_config is not None:
+            raise ValueError("this is a pooling model (runner='pooling'): it embeds / classifies / scores and does "
+                             "not generate; use embed(), classify(), score() or encode()")
         self.input_processor.validate(ids, params)
         if lora_request is not None:
             from jaxserve.lora.request import LoRARequest
@@ -158,6 +163,40 @@ class LLMEngine:
                 priority=priority, cache_salt=cache_salt, max_tokens=max_tokens, arrival_time=arrival_time,
                 lora_request=lora_request,
             ))
+
+    def add_pooling_request(self, request_id: str, prompt, params: PoolingParams, *, priority: int = 0,
+                            add_special_tokens: bool = True, stream: RequestStream | None = None,
+                            arrival_time: float | None = None) -> None:
+        """A pooling request (docs/pooling.md): ``prompt`` as in add_request, or a
+        (text_1, text_2) pair tokenized as one cross-encoder input; its output is a
+        PoolingRequestOutput. ValueError on a generative engine, or for params the model
+        cannot serve."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        pooler = self.config.model_config.pooler_config
+        if pooler is None:
+            raise ValueError("this model generates text (runner='generate'): pooling requests (embed, classify, "
+                             "score) need a pooling model (runner='pooling')")
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        max_len = self.config.scheduler_config.max_model_len
+        resolved = params.resolve(pooler, hidden_size=self.model_runner.arch.hidden_size, max_model_len=max_len)
+        if isinstance(prompt, tuple):
+            text = None
+            ids = self.tokenizer(prompt[0], text_pair=prompt[1], add_special_tokens=add_special_tokens)["input_ids"]
+        else:
+            text, ids = self.input_processor.tokenize(prompt, add_special_tokens=add_special_tokens)
+        ids = resolved.truncate(list(ids), max_len)
+        sp = SamplingParams(max_tokens=1, temperature=0.0)  # never sampled: the request ends with its prompt
+        self.input_processor.validate(ids, sp)
+        states, core = self.output_processor.request_states, self.engine_core
+        if request_id in self._children or request_id in states or core.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._children[request_id] = [request_id]
+        self.output_processor.add_request(request_id, request_id, 0, text, ids, sp, stream=stream,
+                                          arrival_time=arrival_time, pooling_params=resolved)
+        self.engine_core.add_request(Request(request_id, ids, sp, None, priority=priority, max_tokens=1,
+                                             arrival_time=arrival_time))
 
     def engine_request_ids(self, request_id: str) -> list[str]:
         """The engine-side ids of a caller's request (n > 1 has one child per completion)."""

@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import (
-    CompletionOutput, EngineCoreOutput, Logprob, LogprobsLists, RequestFailedError, RequestOutput,
+    CompletionOutput, EngineCoreOutput, Logprob, LogprobsLists, PoolingOutput, PoolingRequestOutput,
+    RequestFailedError, RequestOutput,
 )
+from jaxserve.pooling_params import PoolingParams, finalize
 from jaxserve.request import FinishReason
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -53,18 +55,20 @@ class RequestState:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     stream: RequestStream | None = None  # AsyncLLM's per-request hand-over point; None for the offline LLM
+    pooling_params: PoolingParams | None = None  # a pooling request's (resolved); None: generation
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, pooling_task: str | None = None) -> None:
         self.tokenizer = tokenizer
+        self.pooling_task = pooling_task  # the pooling model's "embed" / "classify"; None: generative
         self.request_states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
         self.fault_injector: FaultInjector | None = None  # tests and drills
 
     def add_request(self, request_id: str, external_id: str, index: int, prompt: str | None,
                     prompt_token_ids: list[int], params: SamplingParams, stream: RequestStream | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, pooling_params: PoolingParams | None = None) -> None:
         parent = None
         if params.n > 1:
             parent = self.parents.setdefault(external_id, ParentRequest(external_id, params.n))
@@ -76,7 +80,7 @@ class OutputProcessor:
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
-            stream=stream,
+            stream=stream, pooling_params=pooling_params,
         )
         if arrival_time is not None:
             state.arrival_time = arrival_time
@@ -127,6 +131,16 @@ class OutputProcessor:
 
     def _process_one(self, st: RequestState, eco: EngineCoreOutput, now: float, outputs: list,
                      reqs_to_abort: list) -> None:
+        if st.pooling_params is not None:
+            if eco.pooling_output is not None:
+                data = finalize(eco.pooling_output, st.pooling_params, self.pooling_task)
+                outputs.append((st, PoolingRequestOutput(st.external_id, PoolingOutput(data), st.prompt_token_ids,
+                                                         True, eco.num_cached_tokens)))
+            elif eco.finished:  # aborted
+                outputs.append((st, self._make_output(st, eco.finish_reason, eco.stop_reason)))
+            if eco.finished:
+                self._finish(st)
+            return
         if eco.new_token_ids and st.first_token_time is None:
             st.first_token_time = now
         st.num_cached_tokens = eco.num_cached_tokens

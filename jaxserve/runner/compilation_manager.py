@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 
 from jaxserve.runner.bucketing import MIN_TOKEN_BUCKET, BucketTable
 from jaxserve.runner.executable_cache import ExecutableCache, fingerprint
-from jaxserve.runner.program_key import DraftKey, ModelStepKey, ProgramKey, PromptLogprobsKey, SampleKey, VerifyKey
+from jaxserve.runner.program_key import (DraftKey, ModelStepKey, PoolKey, ProgramKey, PromptLogprobsKey, SampleKey,
+                                         VerifyKey)
 
 logger = logging.getLogger("jaxserve")
 
@@ -145,7 +146,8 @@ class CompilationManager:
         else:
             self.ready_buckets = (
                 BucketTable([k.num_tokens for k in self.executables if isinstance(k, ModelStepKey)]),
-                BucketTable([k.num_reqs for k in self.executables if isinstance(k, SampleKey)]))
+                BucketTable([k.num_reqs for k in self.executables if isinstance(k, SampleKey)])
+                if self.runner.pooler is None else self.runner.request_buckets)  # pooling has no samplers
 
     def _warm_up_rest(self, stages: list[list[ProgramKey]], w: _Warmup) -> None:
         """The background warm-up thread: each stage in turn, then its steps allowed."""
@@ -212,6 +214,9 @@ class CompilationManager:
         for group in groups:
             stage: list[ProgramKey] = []
             for t in group:
+                if r.pooler is not None:  # the pooling runner: the model step and its pooling head
+                    stage += [ModelStepKey(t), PoolKey(t)]
+                    continue
                 top = r.request_buckets(min(t, r.max_num_reqs))
                 stage += [ModelStepKey(t), PromptLogprobsKey(t)]
                 for n in r.request_buckets:
@@ -255,6 +260,12 @@ class CompilationManager:
                 hidden = steps[key.num_tokens].result().out_info[0]
                 packed = r.inputs.abstract_packed(r.inputs.model_layout(key.num_tokens))
                 pending.append(compile_async(key, self._lower(key, r.state, hidden, packed)))
+            for key in by_kind.get(PoolKey, []):
+                hidden, hidden_last = steps[key.num_tokens].result().out_info[:2]
+                packed = r.inputs.abstract_packed(r.inputs.model_layout(key.num_tokens))
+                carry = jax.ShapeDtypeStruct((r.dp * r.max_num_reqs, r.arch.hidden_size), jnp.float32,
+                                             sharding=r._rows_sharding)
+                pending.append(compile_async(key, self._lower(key, r.state, hidden, hidden_last, packed, carry)))
             samplers = by_kind.get(SampleKey, []) + by_kind.get(VerifyKey, [])
             if samplers:
                 hidden_last = next(iter(steps.values())).result().out_info[1]

@@ -37,7 +37,7 @@ from jaxserve.runner.dtypes import resolve_dtype, resolve_kv_cache_dtype, resolv
 from jaxserve.runner.input_batch import CachedRequestState, InputBatch
 from jaxserve.runner.kv_cache import allocate_kv_cache, kv_cache_layout
 from jaxserve.runner.packed_inputs import PackedLayout
-from jaxserve.runner.program_key import DraftKey, ProgramKey, PromptLogprobsKey, VerifyKey
+from jaxserve.runner.program_key import DraftKey, PoolKey, ProgramKey, PromptLogprobsKey, VerifyKey
 from jaxserve.runner.programs import ProgramInputs, build_step_programs
 from jaxserve.runner.setup import (kv_cache_blocks, load_draft_model, load_target_model, make_mesh,
                                    make_ngram_proposer)
@@ -107,6 +107,11 @@ class ModelRunner:
             logger.warning("batch_invariant: %s not covered: a row's result can still depend on its batch there "
                            "(docs/batch_invariance.md)",
                            "MoE expert grouping" if self.arch.num_experts else "tensor parallelism across tp sizes")
+        # The pooling runner (docs/pooling.md): a PoolKey program instead of the samplers;
+        # what a chunked request's earlier chunks pooled, by request id, until its last chunk.
+        self.pooler = mc.pooler_config
+        self._pool_carry: dict[str, np.ndarray] = {}
+        self._zero_carry = None  # device zeros [DP*Rmax, D], made once
         self.token_buckets, self.request_buckets = step_buckets(config, self.platform)
         self.proposer = make_ngram_proposer(config)  # the n-gram proposer (host)
         self.draft = load_draft_model(self, progress=progress)  # the draft-model proposer (device)
@@ -152,7 +157,8 @@ class ModelRunner:
         self._jitted = build_step_programs(self.graphdef, self._attention, self.mesh, dp=self.dp,
                                            rows_per_req=self.rows_per_req, max_logprobs=self.max_logprobs,
                                            batch_invariant=self.config.model_config.batch_invariant,
-                                           lora_slots=(self.lora.num_slots, self.lora.rank) if self.lora else None)
+                                           lora_slots=(self.lora.num_slots, self.lora.rank) if self.lora else None,
+                                           pooling_type=self.pooler.pooling_type if self.pooler else None)
         if self.draft is not None:
             self._jitted[DraftKey] = self.draft.jitted
         # Device constants standing in for the sampler's wide inputs when a step does not
@@ -368,6 +374,9 @@ class ModelRunner:
         if inflight is None:
             return [EMPTY_MODEL_RUNNER_OUTPUT] * self.dp
         step = inflight.step
+        if self.pooler is not None:
+            out, partial = jax.device_get(inflight.sampled)
+            return [self._pool_bookkeeping(rank, step.ranks[rank], out, partial) for rank in range(self.dp)]
         sampled, logprobs, prompt_logprobs = self._fetch(inflight)
         results = [self._bookkeeping(rank, step.ranks[rank], sampled, logprobs, prompt_logprobs)
                    for rank in range(self.dp)]
@@ -383,7 +392,9 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             ib.remove_request(req_id)
             self.requests.pop(req_id, None)
+            self._pool_carry.pop(req_id, None)
         for req_id in so.preempted_req_ids:
+            self._pool_carry.pop(req_id, None)  # its prompt is computed again from the start
             i = ib.req_id_to_index.get(req_id)
             if i is not None:
                 # Keep the generated tokens: the request recomputes them when it resumes.
@@ -433,6 +444,8 @@ class ModelRunner:
         token history / grammar bitmask when the step uses them), the model step (the KV
         cache donated and replaced), the sampler, prompt logprobs if any row wants them
         -> (sampled, prompt logprobs or None), device arrays still being computed."""
+        if self.pooler is not None:
+            return self._dispatch_pooling(step)
         model_buffer, sampler_buffer = self._put_packed(step.model_buffer, step.sampler_buffer)
         history, bitmask = self._unused_wide_inputs(self.dp * step.sample_key.num_reqs)
         if step.token_history is not None or step.grammar_bitmask is not None:
@@ -445,6 +458,45 @@ class ModelRunner:
         if step.prompt_logprobs:
             prompt_lp = self._run(PromptLogprobsKey(step.model_key.num_tokens), self.state, hidden, model_buffer)
         return sampled, prompt_lp
+
+    def _dispatch_pooling(self, step: PreparedStep):
+        """The pooling runner's step: the model step, then its PoolKey program with the
+        carry of the requests whose earlier chunks ran -> ((out, partial), None)."""
+        (model_buffer,) = self._put_packed(step.model_buffer)
+        hidden, hidden_last, self.kv_cache = self._run(step.model_key, self.state, self.kv_cache, model_buffer, None)
+        rmax, d = self.max_num_reqs, self.arch.hidden_size
+        carried = [(rank * rmax + i, self._pool_carry[rid]) for rank, rs in enumerate(step.ranks)
+                   for i, rid in enumerate(rs.req_ids) if rid in self._pool_carry]
+        if carried:
+            carry = np.zeros((self.dp * rmax, d), np.float32)
+            for row, value in carried:
+                carry[row] = value
+            carry = self._put(carry)
+        else:
+            if self._zero_carry is None:
+                self._zero_carry = self._put(np.zeros((self.dp * rmax, d), np.float32))
+            carry = self._zero_carry
+        pooled = self._run(PoolKey(step.model_key.num_tokens), self.state, hidden, hidden_last, model_buffer, carry)
+        return pooled, None
+
+    def _pool_bookkeeping(self, rank: int, step: RankStep, out: np.ndarray, partial: np.ndarray) -> ModelRunnerOutput:
+        """A rank's pooling results: the pooled output of each request whose prompt ended
+        this step (``out`` [DP*Rmax, O]); the carry of the others (``partial``)."""
+        ib, rows, num_reqs = self.input_batches[rank], step.rows, len(step.req_ids)
+        if num_reqs == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        new_computed = step.num_computed + step.num_scheduled
+        ib.num_computed_tokens[rows] = new_computed
+        step.done = new_computed >= ib.num_tokens[rows]
+        pooled, base = {}, rank * self.max_num_reqs
+        for i, (req_id, done) in enumerate(zip(step.req_ids, step.done.tolist())):
+            if done:
+                pooled[req_id] = out[base + i]
+                self._pool_carry.pop(req_id, None)
+            else:
+                self._pool_carry[req_id] = partial[base + i]
+        return ModelRunnerOutput(req_ids=step.req_ids, req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
+                                 sampled_token_ids=[[] for _ in step.req_ids], pooler_output=pooled)
 
     @staticmethod
     def _fetch(inflight: InflightStep):

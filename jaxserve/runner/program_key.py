@@ -71,3 +71,18 @@ class DraftKey:
 
 
 ProgramKey = ModelStepKey | SampleKey | PromptLogprobsKey | VerifyKey | DraftKey
+
+
+@dataclass(frozen=True, slots=True)
+class PoolKey:
+    """The pooling runner's head (docs/pooling.md): the pooled state of each request's
+    tokens in the step (carried across its chunks), then the model's pool_head. The
+    token bucket alone; the pooling type is the engine's."""
+
+    num_tokens: int
+
+    def static_args(self) -> dict:
+        return {}
+
+
+ProgramKey = ProgramKey | PoolKey

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.kv_cache import kv_cache_sharding
 from jaxserve.runner.packed_inputs import PackedLayout
-from jaxserve.runner.program_key import ModelStepKey, ProgramKey, PromptLogprobsKey, SampleKey, VerifyKey
+from jaxserve.runner.program_key import ModelStepKey, PoolKey, ProgramKey, PromptLogprobsKey, SampleKey, VerifyKey
 from jaxserve.sample.rejection_sampler import rejection_sample
 from jaxserve.sample.sampler import compute_logprobs, sample_from
 from models.lora import lora_mask
@@ -60,14 +60,17 @@ def traced_products(mesh: Mesh | None, batch_invariant: bool) -> Callable:
 
 def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, rows_per_req: int,
                         max_logprobs: int, batch_invariant: bool = False,
-                        lora_slots: tuple[int, int] | None = None) -> dict[type, Callable]:
+                        lora_slots: tuple[int, int] | None = None,
+                        pooling_type: str | None = None) -> dict[type, Callable]:
     """The step's jitted functions by program key type (their static arguments:
     ProgramInputs.static_args). ``attention``: the per-layer attention
     (pallas_kernels.backend.build_attention); ``rows_per_req``: S = k + 1 logits rows per
     request with k speculative tokens, else 1; ``dp``: the data-parallel ranks;
     ``batch_invariant``: every product row-invariant (models.quantization.invariant_matmul);
     ``lora_slots``: (max_loras, max_lora_rank) with LoRA on (the model step then takes the
-    adapters' buffers, jaxserve/lora/manager.py, and its inputs a slot per token)."""
+    adapters' buffers, jaxserve/lora/manager.py, and its inputs a slot per token);
+    ``pooling_type``: the pooling runner's LAST / CLS / MEAN (its PoolKey program), None
+    for a generative model."""
     s = rows_per_req
     rows_sharding, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     products = traced_products(mesh, batch_invariant)
@@ -123,13 +126,49 @@ def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, r
         logits = nnx.merge(graphdef, state).compute_logits(hidden)
         return compute_logprobs(logits, targets, max_logprobs)
 
+    def pool_step(state, hidden, hidden_last, packed, carry, *, layout):
+        """The pooled output of every request of the step (docs/pooling.md): hidden [DP*T,
+        D], hidden_last [DP*Rmax, D] (each request's last token of the step), carry
+        [DP*Rmax, D] float32 (what earlier chunks of a request pooled; zeros for a first
+        chunk) -> (out [DP*Rmax, O] = pool_head(pooled), partial [DP*Rmax, D] float32, the
+        carry of a request whose prompt goes on next step). Rows past a rank's requests
+        are padding."""
+        _, positions, md, *_ = unpack(layout, packed)
+        model = nnx.merge(graphdef, state)
+        d = hidden.shape[-1]
+        carry = carry.reshape(dp, -1, d)
+        rmax = carry.shape[1]
+        if pooling_type == "LAST":
+            partial = hidden_last.astype(jnp.float32).reshape(dp, rmax, d)
+            pooled = partial
+        else:
+            h = hidden.astype(jnp.float32).reshape(dp, -1, d)
+            cu = md.query_start_loc.reshape(dp, -1)  # [DP, Rmax + 1]; past the requests, the total
+            if pooling_type == "CLS":
+                starts = cu[:, :-1]
+                first = jnp.take_along_axis(h, starts[..., None], axis=1)
+                at_zero = jnp.take_along_axis(positions.reshape(dp, -1), starts, axis=1) == 0
+                partial = jnp.where(at_zero[..., None], first, carry)
+                pooled = partial
+            else:  # MEAN: the sum so far over the tokens so far (seq_lens: computed + this step's)
+                def sums(h_r, cu_r):
+                    # Each token's request; padding tokens (past the total) get Rmax: dropped.
+                    req = jnp.searchsorted(cu_r[1:], jnp.arange(h_r.shape[0]), side="right")
+                    return jax.ops.segment_sum(h_r, req, num_segments=rmax)
+
+                partial = carry + jax.vmap(sums)(h, cu)
+                lens = jnp.maximum(md.seq_lens.reshape(dp, rmax), 1).astype(jnp.float32)
+                pooled = partial / lens[..., None]
+        out = model.pool_head(pooled.reshape(dp * rmax, d))
+        return out, partial.reshape(dp * rmax, d)
+
     # The cache leaves with exactly the sharding it came in with. Left to itself, jit
     # returns an equivalent but differently spelled spec (P() instead of
     # P(None, 'data', None, 'model', None)), and the next call of a bucket compiled
     # with the old spelling lowers it again.
-    model_step, sample_step, verify_step, prompt_logprobs_step = map(
-        products, (model_step, sample_step, verify_step, prompt_logprobs_step))
-    return {
+    model_step, sample_step, verify_step, prompt_logprobs_step, pool_step = map(
+        products, (model_step, sample_step, verify_step, prompt_logprobs_step, pool_step))
+    programs = {
         ModelStepKey: jax.jit(model_step, donate_argnums=(1,), static_argnames=("layout",),
                               out_shardings=(None, None, kv_cache_sharding(mesh))),
         SampleKey: jax.jit(sample_step, static_argnames=("layout", "num_reqs", "use_penalties"),
@@ -138,6 +177,9 @@ def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, r
         VerifyKey: jax.jit(verify_step, static_argnames=("layout", "num_reqs", "greedy_only", "use_penalties"),
                            out_shardings=replicated),
     }
+    if pooling_type is not None:
+        programs[PoolKey] = jax.jit(pool_step, static_argnames=("layout",), out_shardings=replicated)
+    return programs
 
 
 class ProgramInputs:
@@ -178,7 +220,7 @@ class ProgramInputs:
 
     def static_args(self, key: ProgramKey) -> dict:
         """A program's static arguments: its key's and its inputs' packed layout."""
-        if isinstance(key, (ModelStepKey, PromptLogprobsKey)):
+        if isinstance(key, (ModelStepKey, PromptLogprobsKey, PoolKey)):
             return {**key.static_args(), "layout": self.model_layout(key.num_tokens)}
         if isinstance(key, (SampleKey, VerifyKey)):
             return {**key.static_args(), "layout": self.sampler_layout(key)}

@@ -539,6 +539,10 @@ class Scheduler:
                 start = req_index * model_runner_output.logprobs_stride
                 new_logprobs = logprobs.slice(start, start + len(new_token_ids))
             new_prompt_logprobs = model_runner_output.prompt_logprobs_dict.get(req_id)
+            pooled = model_runner_output.pooler_output.get(req_id)
+            if pooled is not None:  # a pooling request ends with its prompt
+                request.status = RequestStatus.FINISHED_STOPPED
+                stopped = True
             if stopped:
                 if was_preempted:
                     self.waiting.remove_request(request)
@@ -565,6 +569,7 @@ class Scheduler:
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
                         error=error,
+                        pooling_output=pooled,
                     )
                 )
         if self.check_invariants:
