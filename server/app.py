@@ -24,14 +24,20 @@ from server.metrics import PrometheusStatLogger
 from server.middleware import install_limits
 from server.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
 )
 from server.serving_chat import OpenAIServingChat
 from server.serving_completion import OpenAIServingCompletion
+from server.serving_pooling import ROUTES, OpenAIServingPooling
 from server.serving_tokenization import OpenAIServingTokenization
 from server.tool_parsers import get_tool_parser
 from server.weight_routes import install_weight_routes, weight_updates_enabled
@@ -230,6 +236,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
     serving_chat = OpenAIServingChat(async_llm, served_model_name, tool_parser=tool_parser,
                                      enable_auto_tools=enable_auto_tool_choice, reasoning_parser=reasoner, **kwargs)
     serving_tokenization = OpenAIServingTokenization(async_llm, served_model_name, **kwargs)
+    serving_pooling = OpenAIServingPooling(async_llm, served_model_name, **kwargs)
+    pooler = async_llm.model_config.pooler_config
     stat_logger = PrometheusStatLogger(served_model_name, max_model_len)
     async_llm.stat_loggers.append(stat_logger)
     created = int(time.time())
@@ -281,6 +289,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
         stream."""
         if is_sleeping():
             raise APIError("The engine is asleep (sleep mode); POST /wake_up first", 503)
+        if pooler is not None and kind in ("completion", "chat"):
+            raise APIError(f"this is a pooling model ({pooler.task}): it does not generate text; use "
+                           f"{ROUTES[pooler.task]}", 400)
         if not disable_log_requests:
             logger.info("%s request: %s", kind, request.model_dump_json(exclude_unset=True)[:1000])
         return respond(await _with_cancellation(create(request, raw_request), raw_request))
@@ -315,6 +326,38 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
         return await generate("chat", serving_chat.create_chat_completion, request, raw_request)
+
+    async def pool(kind: str, create, request, raw_request: Request):
+        """A pooling route's body (generate()'s, for a JSON answer)."""
+        if is_sleeping():
+            raise APIError("The engine is asleep (sleep mode); POST /wake_up first", 503)
+        if not disable_log_requests:
+            logger.info("%s request: %s", kind, request.model_dump_json(exclude_unset=True)[:1000])
+        result = await _with_cancellation(create(request), raw_request)
+        return Response(status_code=499) if result is None else JSONResponse(result)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: EmbeddingRequest, raw_request: Request):
+        return await pool("embeddings", serving_pooling.create_embedding, request, raw_request)
+
+    @app.post("/pooling")
+    async def pooling(request: PoolingRequest, raw_request: Request):
+        return await pool("pooling", serving_pooling.create_pooling, request, raw_request)
+
+    @app.post("/classify")
+    async def classify(request: ClassificationRequest, raw_request: Request):
+        return await pool("classify", serving_pooling.create_classify, request, raw_request)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(request: ScoreRequest, raw_request: Request):
+        return await pool("score", serving_pooling.create_score, request, raw_request)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(request: RerankRequest, raw_request: Request):
+        return await pool("rerank", serving_pooling.create_rerank, request, raw_request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):

@@ -458,3 +458,53 @@ class DetokenizeRequest(RequestModel):
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+# ----------------------------------------------------------------------------- pooling (docs/pooling.md)
+class _PoolingFields(RequestModel):
+    model: str | None = None
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+    priority: int = 0
+    add_special_tokens: bool = True
+
+
+class EmbeddingRequest(_PoolingFields):
+    """POST /v1/embeddings (OpenAI's, with vLLM's extras): input a text, texts, token
+    ids or lists of them."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    normalize: bool | None = None
+
+
+class PoolingRequest(_PoolingFields):
+    """POST /pooling (vLLM's): the raw pooled output of each input."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+
+
+class ClassificationRequest(_PoolingFields):
+    """POST /classify (vLLM's)."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    use_activation: bool | None = None
+
+
+class ScoreRequest(_PoolingFields):
+    """POST /score, /v1/score (vLLM's): text_1 against text_2, 1:N or N:N."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+    use_activation: bool | None = None
+
+
+class RerankRequest(_PoolingFields):
+    """POST /rerank, /v1/rerank, /v2/rerank (Jina's and Cohere's shapes, as vLLM takes them)."""
+
+    query: str
+    documents: list[str]
+    top_n: int = 0  # 0 or less: all of them
+    return_documents: bool = True

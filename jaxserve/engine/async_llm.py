@@ -37,7 +37,8 @@ from jaxserve.engine.exceptions import EngineDeadError, EngineOverloadedError, E
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.request_stream import _ABORTED, RequestStream, deliver
 from jaxserve.engine.stats import EngineStats, FinishedRequestStats, IterationStats, RankStats, StatLogger
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.runner.compilation_cache import enable_compilation_cache
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -263,6 +264,47 @@ class AsyncLLM:
                 # that reuses the id.
                 self._post(AbortRequest(stream))
 
+    async def encode(self, prompt, pooling_params: PoolingParams, request_id: str, *, priority: int = 0,
+                     add_special_tokens: bool = True) -> PoolingRequestOutput:
+        """A pooling request's output (docs/pooling.md): ``prompt`` a str, token ids,
+        a prompt dict, or a (text_1, text_2) pair for a cross-encoder. Validation errors
+        are raised here, before the request reaches the engine; cancelling the call
+        aborts the request."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        self.check_health()
+        if isinstance(prompt, list):
+            prompt = {"prompt_token_ids": prompt}
+        text, ids, params = self.engine.prepare_pooling(prompt, pooling_params, add_special_tokens=add_special_tokens,
+                                                        tokenizer=self.tokenizer, input_processor=self.input_processor)
+        stream = RequestStream(request_id, asyncio.get_running_loop(), 1, text, ids,
+                               max_queued=self.max_queued_outputs, on_overflow=self._on_overflow)
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.check_capacity(1)
+            self._streams[request_id] = stream
+            self._in_flight += 1
+        if self._dead_error is not None:
+            stream.closed = True
+            self._unregister(stream)
+            self.check_health()
+        self._post(AddRequest(stream, text, ids, params, priority))
+        finished = False
+        try:
+            item = await stream.queue.get()
+            finished = True
+            if item is _ABORTED:
+                raise asyncio.CancelledError(f"request {request_id} was aborted")
+            if isinstance(item, BaseException):
+                raise item
+            return item
+        finally:
+            stream.closed = True
+            self._unregister(stream)
+            if not finished:
+                self._post(AbortRequest(stream))
+
     @classmethod
     def _merge(cls, items: list, stream: RequestStream, seen_finished: set[int]):
         """Pending items -> what to yield. Outputs queued before an abort or an error
@@ -476,9 +518,13 @@ class AsyncLLM:
             if stream.closed:  # aborted before it reached the engine
                 return
             try:
-                self.engine.add_tokenized_request(stream.request_id, cmd.prompt, cmd.prompt_token_ids, cmd.params,
-                                                  priority=cmd.priority, cache_salt=cmd.cache_salt, stream=stream,
-                                                  lora_request=cmd.lora_request)
+                if isinstance(cmd.params, PoolingParams):
+                    self.engine.add_tokenized_pooling_request(stream.request_id, cmd.prompt, cmd.prompt_token_ids,
+                                                              cmd.params, priority=cmd.priority, stream=stream)
+                else:
+                    self.engine.add_tokenized_request(stream.request_id, cmd.prompt, cmd.prompt_token_ids,
+                                                      cmd.params, priority=cmd.priority, cache_salt=cmd.cache_salt,
+                                                      stream=stream, lora_request=cmd.lora_request)
             except (ValueError, TypeError) as e:
                 self._send(stream, e)
         elif isinstance(cmd, EngineCall):
@@ -546,6 +592,11 @@ class AsyncLLM:
 
     def _account(self, stream: RequestStream, out: RequestOutput, now: float, it: IterationStats) -> None:
         """Per-request timing for the metrics (engine thread)."""
+        if isinstance(out, PoolingRequestOutput):  # one output, at the end of its prompt
+            e2e = now - stream.arrival_time
+            it.num_prompt_tokens += len(stream.prompt_token_ids)
+            it.finished_requests.append(FinishedRequestStats("stop", e2e, len(stream.prompt_token_ids), 0, e2e, None))
+            return
         for c in out.outputs:
             n_new = len(c.token_ids)
             if n_new:

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("jaxserve")
 
+# A pooling request's sampling params: never sampled (the runner's rows still need some).
+_POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
+
 
 def load_tokenizer(path: str):
     """The HF tokenizer of a model folder (transformers imported here, not at start-up)."""
@@ -164,15 +167,14 @@ class LLMEngine:
                 lora_request=lora_request,
             ))
 
-    def add_pooling_request(self, request_id: str, prompt, params: PoolingParams, *, priority: int = 0,
-                            add_special_tokens: bool = True, stream: RequestStream | None = None,
-                            arrival_time: float | None = None) -> None:
-        """A pooling request (docs/pooling.md): ``prompt`` as in add_request, or a
-        (text_1, text_2) pair tokenized as one cross-encoder input; its output is a
-        PoolingRequestOutput. ValueError on a generative engine, or for params the model
-        cannot serve."""
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+    def prepare_pooling(self, prompt, params: PoolingParams, *, add_special_tokens: bool = True,
+                        tokenizer=None, input_processor: InputProcessor | None = None):
+        """A pooling request's inputs, checked (docs/pooling.md): ``prompt`` as in
+        add_request, or a (text_1, text_2) pair tokenized as one cross-encoder input ->
+        (text, token ids after truncate_prompt_tokens, the resolved PoolingParams).
+        ValueError on a generative engine, or for params the model cannot serve.
+        ``tokenizer`` / ``input_processor``: the caller's copies (AsyncLLM's, off the engine thread)."""
+        tokenizer, input_processor = tokenizer or self.tokenizer, input_processor or self.input_processor
         pooler = self.config.model_config.pooler_config
         if pooler is None:
             raise ValueError("this model generates text (runner='generate'): pooling requests (embed, classify, "
@@ -183,20 +185,34 @@ class LLMEngine:
         resolved = params.resolve(pooler, hidden_size=self.model_runner.arch.hidden_size, max_model_len=max_len)
         if isinstance(prompt, tuple):
             text = None
-            ids = self.tokenizer(prompt[0], text_pair=prompt[1], add_special_tokens=add_special_tokens)["input_ids"]
+            ids = tokenizer(prompt[0], text_pair=prompt[1], add_special_tokens=add_special_tokens)["input_ids"]
         else:
-            text, ids = self.input_processor.tokenize(prompt, add_special_tokens=add_special_tokens)
+            text, ids = input_processor.tokenize(prompt, add_special_tokens=add_special_tokens)
         ids = resolved.truncate(list(ids), max_len)
-        sp = SamplingParams(max_tokens=1, temperature=0.0)  # never sampled: the request ends with its prompt
-        self.input_processor.validate(ids, sp)
+        input_processor.validate(ids, _POOLING_SAMPLING)
+        return text, ids, resolved
+
+    def add_pooling_request(self, request_id: str, prompt, params: PoolingParams, *, priority: int = 0,
+                            add_special_tokens: bool = True) -> None:
+        """A pooling request (prepare_pooling's inputs); its output is a PoolingRequestOutput."""
+        text, ids, resolved = self.prepare_pooling(prompt, params, add_special_tokens=add_special_tokens)
+        self.add_tokenized_pooling_request(request_id, text, ids, resolved, priority=priority)
+
+    def add_tokenized_pooling_request(self, request_id: str, text, ids: list[int], params: PoolingParams, *,
+                                      priority: int = 0, stream: RequestStream | None = None,
+                                      arrival_time: float | None = None) -> None:
+        """A pooling request whose inputs prepare_pooling checked (``params`` resolved)."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         states, core = self.output_processor.request_states, self.engine_core
         if request_id in self._children or request_id in states or core.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         self._children[request_id] = [request_id]
-        self.output_processor.add_request(request_id, request_id, 0, text, ids, sp, stream=stream,
-                                          arrival_time=arrival_time, pooling_params=resolved)
-        self.engine_core.add_request(Request(request_id, ids, sp, None, priority=priority, max_tokens=1,
-                                             arrival_time=arrival_time))
+        self.output_processor.add_request(request_id, request_id, 0, text, ids, _POOLING_SAMPLING, stream=stream,
+                                          arrival_time=arrival_time, pooling_params=params)
+        # max_tokens 1 is never reached: the request ends with its prompt.
+        self.engine_core.add_request(Request(request_id, ids, _POOLING_SAMPLING, None, priority=priority,
+                                             max_tokens=1, arrival_time=arrival_time))
 
     def engine_request_ids(self, request_id: str) -> list[str]:
         """The engine-side ids of a caller's request (n > 1 has one child per completion)."""

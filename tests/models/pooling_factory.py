@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hf_factory import _write_tokenizer
+try:  # tests/models on sys.path (tests/e2e's conftest), or the tests package (tests/server)
+    from hf_factory import _write_tokenizer
+except ImportError:
+    from tests.models.hf_factory import _write_tokenizer
 
 CONFIGS = {"llama": ("LlamaConfig", dict(head_dim=16, rms_norm_eps=1e-5)), "qwen3": ("Qwen3Config", dict(head_dim=16)),
            "qwen2": ("Qwen2Config", {})}
