@@ -90,6 +90,8 @@ sql, chat = LoRARequest("sql", 1, "/tmp/loras/r8-0"), LoRARequest("chat", 2, "/t
 outs = llm.generate(["The capital of France is"] * 3, SamplingParams(max_tokens=8), lora_request=[sql, None, chat])
 print([o.outputs[0].text for o in outs], llm.list_loras())
 EOF""", 600, r"\{1, 2\}"),
+    ("bench_embeddings", f"{PY} benchmarks/bench_embeddings.py --size tiny --cells 1x16 4x32", 600,
+     r"\| jaxserve \| 4x32 \|"),
     ("bench_lora", f"{PY} benchmarks/bench_lora.py --num-prompts 4 --input-len 16 --output-len 4 --ranks 8 "
      "--lora-counts 0 1 --repeats 1", 600, r"\| jaxserve \| 8 \| 1 \|"),
     ("lora serve", r"""
