@@ -101,4 +101,7 @@ POOLING_ARCHITECTURES = {
     **{a: "classify" for a in ("LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
                                "Qwen3ForSequenceClassification")},
     **{a: "embed" for a in ("LlamaModel", "Qwen2Model", "Qwen3Model")},
+    "BertModel": "embed", "XLMRobertaModel": "embed", "XLMRobertaForSequenceClassification": "classify",
 }
+# Encoders (models/bert.py): bidirectional, a whole prompt per step, no KV cache use, first-token pooling by default.
+ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "XLMRobertaForSequenceClassification")

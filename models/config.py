@@ -59,8 +59,12 @@ class ModelArchConfig:
     # appears kv_head_replicas times, and num_key_value_heads counts the copies.
     padded_vocab_size: int | None = None  # None: vocab_size
     kv_head_replicas: int = 1
-    # Sequence classifiers (models/adapters.py): the score head's outputs; 0 for the others.
+    # Sequence classifiers (models/adapters.py, models/bert.py): the score head's outputs; 0 for the others.
     num_labels: int = 0
+    # Encoders (models/bert.py): token types, and the first position id (XLM-R: padding_idx + 1).
+    type_vocab_size: int = 0
+    position_offset: int = 0
+    num_position_embeddings: int = 0  # the position table's rows (max_position_embeddings + position_offset)
 
     def __post_init__(self) -> None:
         if self.padded_vocab_size is None:

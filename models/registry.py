@@ -22,6 +22,7 @@ _MODEL_REGISTRY = {
     **{name: ("models.adapters", name) for name in (
         "LlamaForSequenceClassification", "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification",
         "LlamaModel", "Qwen2Model", "Qwen3Model")},
+    **{name: ("models.bert", name) for name in ("BertModel", "XLMRobertaModel", "XLMRobertaForSequenceClassification")},
 }
 
 

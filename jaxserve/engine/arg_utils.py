@@ -264,9 +264,21 @@ class EngineArgs:
             max_model_len = min(model_limit, default_max_model_len)
         elif max_model_len > model_limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {model_limit} positions")
+        from models.adapters import ENCODER_ARCHITECTURES
+
+        # An encoder attends both ways: its whole prompt runs in one step (no chunks), and
+        # its KV cache is never used (so no prefix cache either).
+        encoder = ModelArchConfig.from_pretrained(path).architecture in ENCODER_ARCHITECTURES
+        chunked_prefill = self.enable_chunked_prefill and not encoder
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill else max_model_len
+            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS if chunked_prefill else max(
+                max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS if encoder else 0)
+        if encoder and self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 does not work with an encoder (BERT-family) model yet")
+        if encoder and max_num_batched_tokens < max_model_len:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens}: an encoder runs a whole prompt in one "
+                             f"step, so it must be at least max_model_len={max_model_len}")
         model_config = ModelConfig(
             model=path, tokenizer=self.tokenizer, dtype=self.dtype, weight_dtype=self.weight_dtype, seed=self.seed,
             served_model_name=self.served_model_name or self.model or DEFAULT_MODEL_NAME,
@@ -283,14 +295,14 @@ class EngineArgs:
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 # MEAN / CLS need every token's hidden state: a cached prefix would skip them.
-                enable_prefix_caching=self.enable_prefix_caching and (
+                enable_prefix_caching=self.enable_prefix_caching and not encoder and (
                     pooler_config is None or pooler_config.pooling_type == "LAST"),
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override, kv_cache_memory=self.kv_cache_memory,
                 cache_dtype=self.kv_cache_dtype),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-                max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
+                max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.scheduling_policy,
                 async_scheduling=self.async_scheduling),
             parallel_config=ParallelConfig(

@@ -48,7 +48,7 @@ def resolve_pooler_config(folder: str | Path, runner: str = "auto", convert: str
                           overrides: dict | None = None) -> PoolerConfig | None:
     """The PoolerConfig the engine serves ``folder`` with, None for generation (ValueError
     for a combination that cannot work)."""
-    from models.adapters import POOLING_ARCHITECTURES
+    from models.adapters import ENCODER_ARCHITECTURES, POOLING_ARCHITECTURES
 
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
@@ -74,7 +74,8 @@ def resolve_pooler_config(folder: str | Path, runner: str = "auto", convert: str
                          f"{arch} has none")
     if native == "classify" and task != "classify":
         raise ValueError(f"{arch} is a sequence classifier: serve it with convert='classify' (or 'auto')")
-    values: dict = {"pooling_type": "LAST"}
+    # Decoders pool their last token (it has seen the whole prompt); encoders their first ([CLS]).
+    values: dict = {"pooling_type": "CLS" if arch in ENCODER_ARCHITECTURES else "LAST"}
     if task == "embed":
         values |= sentence_transformers_pooling(folder)
     else:
@@ -91,5 +92,7 @@ def resolve_pooler_config(folder: str | Path, runner: str = "auto", convert: str
         raise ValueError(f"pooler_config: pooling_type must be one of {', '.join(POOLING_TYPES)}, "
                          f"got {values['pooling_type']!r}")
     dims = cfg.get("matryoshka_dimensions")
+    if arch in ENCODER_ARCHITECTURES and task == "classify" and values["pooling_type"] != "CLS":
+        raise ValueError(f"{arch}: its classification head reads the first token; pooling_type must be CLS")
     return PoolerConfig(task=task, is_matryoshka=bool(cfg.get("is_matryoshka") or dims),
                         matryoshka_dimensions=tuple(dims) if dims else None, **values)

@@ -177,3 +177,44 @@ def test_runner_settings_errors(tmp_path, qwen3_embedder, tiny_models):
         h = causal(torch.tensor([x]), output_hidden_states=True).hidden_states[-1][0, -1].numpy()
     np.testing.assert_allclose(emb.embed({"prompt_token_ids": x}, use_tqdm=False)[0].outputs.embedding, unit(h),
                                atol=1e-5)
+
+
+def test_bert_and_xlmr_encoders(tmp_path):
+    """BERT with a sentence-transformers layout (mean + Normalize) against
+    SentenceTransformer; XLM-R (positions from padding_idx + 1) pooled with CLS
+    against HF; an XLM-R cross-encoder against HF's; a ragged batch of prompts of 1 to
+    100 tokens in one step."""
+    import sentence_transformers
+
+    bert = make_pooling_model(tmp_path / "bert", "bert", st_pooling="mean")
+    ids = prompts(6)
+    llm = make_llm(bert, max_num_batched_tokens=512)
+    assert not llm.config.scheduler_config.enable_chunked_prefill  # a whole prompt per step
+    outs = llm.embed([{"prompt_token_ids": x} for x in ids], use_tqdm=False)
+    st = sentence_transformers.SentenceTransformer(str(bert), device="cpu")
+    st.tokenizer.pad_token = "<unk>"  # one text per batch: nothing is padded
+    want = st.encode([" ".join(f"w{t}" for t in x) for x in ids], batch_size=1)
+    for o, w in zip(outs, want):
+        np.testing.assert_allclose(o.outputs.embedding, w, atol=2e-5)
+    del llm
+
+    xlmr = make_pooling_model(tmp_path / "xlmr", "xlmr")
+    llm = make_llm(xlmr, max_num_batched_tokens=512)
+    assert llm.config.model_config.pooler_config.pooling_type == "CLS"
+    outs = llm.embed([{"prompt_token_ids": x} for x in ids], PoolingParams(normalize=False), use_tqdm=False)
+    for o, h in zip(outs, hf_hidden(xlmr, ids)):
+        np.testing.assert_allclose(o.outputs.embedding, h[0], atol=2e-5)
+    del llm
+
+    ce = make_pooling_model(tmp_path / "xlmr_ce", "xlmr", "classifier", num_labels=1)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(ce).float().eval()
+    tok = transformers.AutoTokenizer.from_pretrained(ce)
+    docs = ["w5 w6", "w7 w8 w9 w10", "w11", "w12 w13 w14 w15 w16 w17 w18"]
+    with torch.no_grad():
+        want = [float(torch.sigmoid(hf(torch.tensor([tok("w3 w4", text_pair=d)["input_ids"]])).logits[0, 0]))
+                for d in docs]
+    llm = make_llm(ce, max_num_batched_tokens=512)
+    got = [s.outputs.score for s in llm.score("w3 w4", docs, use_tqdm=False)]
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    with pytest.raises(ValueError, match="whole prompt in one step"):
+        make_llm(ce, max_num_batched_tokens=64)

@@ -12,7 +12,8 @@ except ImportError:
     from tests.models.hf_factory import _write_tokenizer
 
 CONFIGS = {"llama": ("LlamaConfig", dict(head_dim=16, rms_norm_eps=1e-5)), "qwen3": ("Qwen3Config", dict(head_dim=16)),
-           "qwen2": ("Qwen2Config", {})}
+           "qwen2": ("Qwen2Config", {}), "bert": ("BertConfig", {}), "xlmr": ("XLMRobertaConfig", {})}
+PREFIXES = {"llama": "Llama", "qwen3": "Qwen3", "qwen2": "Qwen2", "bert": "Bert", "xlmr": "XLMRoberta"}
 
 
 def make_pooling_model(path: Path, arch: str = "qwen3", head: str = "model", *, num_labels: int = 1,
@@ -27,11 +28,13 @@ def make_pooling_model(path: Path, arch: str = "qwen3", head: str = "model", *, 
 
     torch.manual_seed(seed)
     config_name, own = CONFIGS[arch]
+    encoder = arch in ("bert", "xlmr")
+    sizes = dict(type_vocab_size=2 if arch == "bert" else 1) if encoder else dict(num_key_value_heads=2)
     cfg = getattr(transformers, config_name)(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=max_pos, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        num_labels=num_labels, **own, **config_kw)
-    prefix = {"llama": "Llama", "qwen3": "Qwen3", "qwen2": "Qwen2"}[arch]
+        max_position_embeddings=max_pos, bos_token_id=1, eos_token_id=2, pad_token_id=1 if arch == "xlmr" else 0,
+        num_labels=num_labels, **sizes, **own, **config_kw)
+    prefix = PREFIXES[arch]
     cls = getattr(transformers, prefix + ("Model" if head == "model" else "ForSequenceClassification"))
     model = cls(cfg)
     with torch.no_grad():  # HF's init (std 0.02) is too flat to tell mistakes apart
@@ -40,6 +43,8 @@ def make_pooling_model(path: Path, arch: str = "qwen3", head: str = "model", *, 
                 p.mul_(4.0)
             elif name.endswith("bias"):
                 p.normal_(0, 0.5)
+            elif "LayerNorm" in name:  # HF starts them at 1: a mix-up of weight and bias would hide
+                p.normal_(1, 0.3)
     model.float().eval().save_pretrained(path)
     _write_tokenizer(path, vocab)
     if st_pooling:
