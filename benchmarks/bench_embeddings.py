@@ -48,6 +48,9 @@ def make_model(out: Path, size: str) -> Path:
     cfg = transformers.Qwen3Config(**SIZES[size], max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
                                    pad_token_id=0, tie_word_embeddings=True)
     transformers.Qwen3Model(cfg).float().eval().save_pretrained(out)
+    # As Qwen3-Embedding ships: config.json names Qwen3ForCausalLM over Qwen3Model's tensors.
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
     _write_tokenizer(out, SIZES[size]["vocab_size"])
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -82,7 +85,7 @@ def worker(engine: str, model: str, prompts_file: str, max_len: int) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
         import vllm
 
-        llm = vllm.LLM(model=model, runner="pooling", max_model_len=max_len, seed=0)
+        llm = vllm.LLM(model=model, runner="pooling", convert="embed", max_model_len=max_len, seed=0)
         version = f"vllm {vllm.__version__}"
         run = lambda ps: [o.outputs.embedding for o in llm.embed([{"prompt_token_ids": p} for p in ps],  # noqa: E731
                                                                   use_tqdm=False)]
@@ -111,7 +114,10 @@ def run_worker(python: str, engine: str, model: Path, prompts_file: str, max_len
     cmd = [python, __file__, "--worker", engine, "--model", str(model), "--prompts", prompts_file,
            "--max-model-len", str(max_len)]
     print(f"Running {engine}: {' '.join(cmd)}", flush=True)
-    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if done.returncode:
+        print(f"{engine} failed (exit {done.returncode}); its rows are missing", flush=True)
+    out = done.stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith('{"engine"')]
 
 

@@ -81,7 +81,14 @@ class ModelArchConfig:
 
     @staticmethod
     def from_pretrained(path: str | Path) -> "ModelArchConfig":
-        return ModelArchConfig.from_hf_dict(json.loads((Path(path) / "config.json").read_text()))
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        from models.adapters import checkpoint_architecture
+
+        # A *ForCausalLM config over HF's *Model tensors (Qwen3-Embedding ships so) is the *Model.
+        arch = checkpoint_architecture(Path(path), cfg)
+        if arch != (cfg.get("architectures") or [None])[0]:
+            cfg = {**cfg, "architectures": [arch]}
+        return ModelArchConfig.from_hf_dict(cfg)
 
 
 def attention_settings(arch: ModelArchConfig) -> dict:

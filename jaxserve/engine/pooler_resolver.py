@@ -55,8 +55,10 @@ def resolve_pooler_config(folder: str | Path, runner: str = "auto", convert: str
     if convert not in CONVERTS:
         raise ValueError(f"convert must be one of {', '.join(CONVERTS)}, got {convert!r}")
     folder = Path(folder)
+    from models.adapters import checkpoint_architecture
+
     cfg = json.loads((folder / "config.json").read_text())
-    arch = (cfg.get("architectures") or [""])[0]
+    arch = checkpoint_architecture(folder, cfg) or ""
     native = POOLING_ARCHITECTURES.get(arch)  # what a pooling-only architecture is for
     if runner == "auto":
         runner = "pooling" if native or convert in ("embed", "classify") or overrides else "generate"

@@ -87,6 +87,23 @@ def test_last_token_embedder_equals_hf(qwen3_embedder):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_causal_lm_config_over_model_tensors(tmp_path, qwen3_embedder):
+    """Qwen3-Embedding's layout: config.json says Qwen3ForCausalLM, the tensors are Qwen3Model's."""
+    import json
+    import shutil
+
+    path = tmp_path / "q3e"
+    shutil.copytree(qwen3_embedder, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3ForCausalLM"]}))
+    llm = make_llm(path)  # runner auto: pooling
+    assert llm.config.model_config.pooler_config.task == "embed"
+    x = prompts(7, [12])[0]
+    h = hf_hidden(qwen3_embedder, [x])[0][-1]
+    np.testing.assert_allclose(llm.embed({"prompt_token_ids": x}, use_tqdm=False)[0].outputs.embedding, unit(h),
+                               atol=1e-5)
+
+
 def test_mean_and_cls_carried_across_chunks(llama_st):
     """The sentence-transformers layout says mean + Normalize; CLS by --pooler-config."""
     ids = prompts(1)
