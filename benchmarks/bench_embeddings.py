@@ -101,7 +101,9 @@ def worker(engine: str, model: str, prompts_file: str, max_len: int) -> None:
                                    batch_size=len(ps)).tolist()
     startup = time.perf_counter() - t0
     for cell, ps in cells.items():
-        run(ps[:2])  # warm: first calls of a shape (torch's allocator, vLLM's profiling) not timed
+        # Warm (first calls of a shape: torch's allocator, vLLM's profiling) on other prompts of
+        # the cell's length: the timed ones must not be in a prefix cache already.
+        run([p[::-1] for p in ps[:2]])
         t0 = time.perf_counter()
         vecs = run(ps)
         dt = time.perf_counter() - t0
