@@ -94,30 +94,3 @@ class Qwen2Model(BaseModel, Qwen2ForCausalLM):
 
 class Qwen3Model(BaseModel, Qwen3ForCausalLM):
     architectures = ("Qwen3Model",)
-
-
-# What each architecture is for when --runner / --convert are "auto" (vLLM infers it from the name).
-POOLING_ARCHITECTURES = {
-    **{a: "classify" for a in ("LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
-                               "Qwen3ForSequenceClassification")},
-    **{a: "embed" for a in ("LlamaModel", "Qwen2Model", "Qwen3Model")},
-    "BertModel": "embed", "XLMRobertaModel": "embed", "XLMRobertaForSequenceClassification": "classify",
-}
-# Encoders (models/bert.py): bidirectional, a whole prompt per step, no KV cache use, first-token pooling by default.
-ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "XLMRobertaForSequenceClassification")
-
-
-def checkpoint_architecture(folder: Path, cfg: dict) -> str | None:
-    """The architecture a folder is served as: config.json's, except that a
-    ``*ForCausalLM`` whose safetensors hold HF's ``*Model`` tensors (no ``model.`` prefix,
-    no lm_head: Qwen3-Embedding's layout) is that ``*Model``."""
-    arch = (cfg.get("architectures") or [None])[0]
-    base = arch.removesuffix("ForCausalLM") + "Model" if arch else None
-    if base not in POOLING_ARCHITECTURES or not any(folder.glob("*.safetensors")):
-        return arch
-    from models.weights import SafetensorsCheckpoint
-
-    names = SafetensorsCheckpoint(folder).tensors
-    if names and not any(n.startswith("model.") for n in names) and "embed_tokens.weight" in names:
-        return base
-    return arch

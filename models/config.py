@@ -82,13 +82,34 @@ class ModelArchConfig:
     @staticmethod
     def from_pretrained(path: str | Path) -> "ModelArchConfig":
         cfg = json.loads((Path(path) / "config.json").read_text())
-        from models.adapters import checkpoint_architecture
-
         # A *ForCausalLM config over HF's *Model tensors (Qwen3-Embedding ships so) is the *Model.
         arch = checkpoint_architecture(Path(path), cfg)
         if arch != (cfg.get("architectures") or [None])[0]:
             cfg = {**cfg, "architectures": [arch]}
         return ModelArchConfig.from_hf_dict(cfg)
+
+
+def checkpoint_architecture(folder: Path, cfg: dict) -> str | None:
+    """The architecture a folder is served as: config.json's, except that a
+    ``*ForCausalLM`` whose safetensors hold HF's ``*Model`` tensors (no ``model.`` prefix:
+    Qwen3-Embedding's layout) is that ``*Model``. Only the files' headers are read."""
+    import struct
+
+    from models.registry import POOLING_ARCHITECTURES
+
+    arch = (cfg.get("architectures") or [None])[0]
+    base = arch.removesuffix("ForCausalLM") + "Model" if arch else None
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if base not in POOLING_ARCHITECTURES or not files:
+        return arch
+    names = set()
+    for path in files:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            names |= set(json.loads(f.read(size))) - {"__metadata__"}
+    if "embed_tokens.weight" in names and not any(n.startswith("model.") for n in names):
+        return base
+    return arch
 
 
 def attention_settings(arch: ModelArchConfig) -> dict:

@@ -26,6 +26,17 @@ _MODEL_REGISTRY = {
 }
 
 
+# What each pooling-only architecture is for when --runner / --convert are "auto" (vLLM
+# infers it from the name; models/adapters.py, models/bert.py).
+POOLING_ARCHITECTURES = {
+    **{a: "classify" for a in ("LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
+                               "Qwen3ForSequenceClassification", "XLMRobertaForSequenceClassification")},
+    **{a: "embed" for a in ("LlamaModel", "Qwen2Model", "Qwen3Model", "BertModel", "XLMRobertaModel")},
+}
+# Encoders (models/bert.py): bidirectional, a whole prompt per step, no KV cache use, first-token pooling by default.
+ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "XLMRobertaForSequenceClassification")
+
+
 def get_model_class(architecture: str):
     try:
         module, name = _MODEL_REGISTRY[architecture]

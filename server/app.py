@@ -237,7 +237,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
                                      enable_auto_tools=enable_auto_tool_choice, reasoning_parser=reasoner, **kwargs)
     serving_tokenization = OpenAIServingTokenization(async_llm, served_model_name, **kwargs)
     serving_pooling = OpenAIServingPooling(async_llm, served_model_name, **kwargs)
-    pooler = async_llm.model_config.pooler_config
+    pooler = getattr(async_llm.model_config, "pooler_config", None)
     stat_logger = PrometheusStatLogger(served_model_name, max_model_len)
     async_llm.stat_loggers.append(stat_logger)
     created = int(time.time())

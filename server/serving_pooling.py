@@ -43,8 +43,10 @@ def encode_vector(x: np.ndarray, fmt: str):
 class OpenAIServingPooling(OpenAIServing):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.pooler = self.engine_client.model_config.pooler_config
-        cfg = json.loads((Path(self.engine_client.model_config.model) / "config.json").read_text())
+        mc = self.engine_client.model_config
+        self.pooler = getattr(mc, "pooler_config", None)
+        config_file = Path(str(getattr(mc, "model", ""))) / "config.json"
+        cfg = json.loads(config_file.read_text()) if self.pooler is not None and config_file.is_file() else {}
         self.id2label = {int(k): v for k, v in (cfg.get("id2label") or {}).items()}
 
     def check_task(self, task: str, route: str) -> None:

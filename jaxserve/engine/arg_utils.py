@@ -264,7 +264,7 @@ class EngineArgs:
             max_model_len = min(model_limit, default_max_model_len)
         elif max_model_len > model_limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {model_limit} positions")
-        from models.adapters import ENCODER_ARCHITECTURES
+        from models.registry import ENCODER_ARCHITECTURES
 
         # An encoder attends both ways: its whole prompt runs in one step (no chunks), and
         # its KV cache is never used (so no prefix cache either).

@@ -48,15 +48,14 @@ def resolve_pooler_config(folder: str | Path, runner: str = "auto", convert: str
                           overrides: dict | None = None) -> PoolerConfig | None:
     """The PoolerConfig the engine serves ``folder`` with, None for generation (ValueError
     for a combination that cannot work)."""
-    from models.adapters import ENCODER_ARCHITECTURES, POOLING_ARCHITECTURES
+    from models.config import checkpoint_architecture
+    from models.registry import ENCODER_ARCHITECTURES, POOLING_ARCHITECTURES
 
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
     if convert not in CONVERTS:
         raise ValueError(f"convert must be one of {', '.join(CONVERTS)}, got {convert!r}")
     folder = Path(folder)
-    from models.adapters import checkpoint_architecture
-
     cfg = json.loads((folder / "config.json").read_text())
     arch = checkpoint_architecture(folder, cfg) or ""
     native = POOLING_ARCHITECTURES.get(arch)  # what a pooling-only architecture is for
