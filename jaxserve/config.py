@@ -170,11 +170,6 @@ class ModelConfig:
     # None: a generative model; else the pooling runner serves it (docs/pooling.md).
     pooler_config: PoolerConfig | None = None
 
-    @property
-    def runner(self) -> str:
-        """'pooling' or 'generate' (vLLM's --runner, resolved)."""
-        return "generate" if self.pooler_config is None else "pooling"
-
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")

@@ -326,7 +326,7 @@ class LLM:
             params = [params or PoolingParams()] * len(prompts)
         elif len(params) != len(prompts):
             raise ValueError(f"got {len(params)} pooling_params for {len(prompts)} prompts")
-        params = [replace(p, task=p.task or task) if p.task in (None, task) else p for p in params]
+        params = [replace(p, task=p.task or task) for p in params]  # a task a PoolingParams names stays
         if truncate_prompt_tokens is not None:
             params = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
         return self._run([(p, None, True) for p in prompts], use_tqdm=use_tqdm, pooling=params)

@@ -45,7 +45,6 @@ def segment_attention(q, k, v, query_start_loc, num_seqs, *, max_len: int, scale
     max_len - 1 tokens either side of it (a request is at most max_len long), so the
     work is T * (block + 2 max_len), not T^2. Padding tokens attend to nothing (zeros)."""
     t, n, h = q.shape
-    rmax = query_start_loc.shape[0] - 1
     seg = jnp.searchsorted(query_start_loc[1:], jnp.arange(t), side="right")  # padding: >= num_seqs
     seg = jnp.where(seg < num_seqs, seg, -1)
     qb = min(t, QUERY_BLOCK)
@@ -57,7 +56,6 @@ def segment_attention(q, k, v, query_start_loc, num_seqs, *, max_len: int, scale
     seg_k = jnp.pad(seg, (w, w + pad_q), constant_values=-2)
     qp = jnp.pad(q, ((0, pad_q), (0, 0), (0, 0))).reshape(nb, qb, n, h)
     seg_q = jnp.pad(seg, (0, pad_q), constant_values=-1).reshape(nb, qb)
-    del rmax
 
     def block(args):
         i, qi, sq = args

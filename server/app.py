@@ -281,7 +281,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
             return Response(status_code=499)
         if hasattr(result, "__aiter__"):
             return SSEResponse(result, media_type="text/event-stream")
-        return JSONResponse(result.model_dump())
+        return JSONResponse(result if isinstance(result, dict) else result.model_dump())
 
     async def generate(kind: str, create, request, raw_request: Request):
         """A generation route's body: log the request, run ``create(request, raw_request)``
@@ -328,13 +328,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
         return await generate("chat", serving_chat.create_chat_completion, request, raw_request)
 
     async def pool(kind: str, create, request, raw_request: Request):
-        """A pooling route's body (generate()'s, for a JSON answer)."""
-        if is_sleeping():
-            raise APIError("The engine is asleep (sleep mode); POST /wake_up first", 503)
-        if not disable_log_requests:
-            logger.info("%s request: %s", kind, request.model_dump_json(exclude_unset=True)[:1000])
-        result = await _with_cancellation(create(request), raw_request)
-        return Response(status_code=499) if result is None else JSONResponse(result)
+        """A pooling route's body: generate()'s, with ``create(request)``."""
+        return await generate(kind, lambda r, _raw: create(r), request, raw_request)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: EmbeddingRequest, raw_request: Request):

@@ -256,19 +256,20 @@ class EngineArgs:
 
         from jaxserve.engine.pooler_resolver import resolve_pooler_config
 
+        from models.registry import ENCODER_ARCHITECTURES
+
         path = resolve_model_path(self.model, progress=progress)
-        pooler_config = resolve_pooler_config(path, self.runner, self.convert, self.pooler_config)
-        model_limit = ModelArchConfig.from_pretrained(path).max_position_embeddings
+        arch = ModelArchConfig.from_pretrained(path)
+        pooler_config = resolve_pooler_config(path, arch.architecture, self.runner, self.convert, self.pooler_config)
+        model_limit = arch.max_position_embeddings
         max_model_len = self.max_model_len
         if max_model_len is None:
             max_model_len = min(model_limit, default_max_model_len)
         elif max_model_len > model_limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {model_limit} positions")
-        from models.registry import ENCODER_ARCHITECTURES
-
         # An encoder attends both ways: its whole prompt runs in one step (no chunks), and
         # its KV cache is never used (so no prefix cache either).
-        encoder = ModelArchConfig.from_pretrained(path).architecture in ENCODER_ARCHITECTURES
+        encoder = arch.architecture in ENCODER_ARCHITECTURES
         chunked_prefill = self.enable_chunked_prefill and not encoder
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:

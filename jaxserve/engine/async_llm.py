@@ -224,19 +224,7 @@ class AsyncLLM:
             # Read and checked here (off the event loop on first use), not in the engine thread.
             await self.add_lora(lora_request)
         params = sampling_params.replace(output_kind=output_kind)
-        loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, loop, params.n, text, ids, max_queued=self.max_queued_outputs,
-                               on_overflow=self._on_overflow)
-        with self._streams_lock:
-            if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self.check_capacity(params.n)
-            self._streams[request_id] = stream
-            self._in_flight += stream.n
-        if self._dead_error is not None:  # died between the check above and registration
-            stream.closed = True
-            self._unregister(stream)
-            self.check_health()
+        stream = self._open_stream(request_id, params.n, text, ids)
         self._post(AddRequest(stream, text, ids, params, priority, cache_salt, lora_request))
         finished = False
         seen_finished: set[int] = set()  # choices whose finish the caller has been given
@@ -264,6 +252,23 @@ class AsyncLLM:
                 # that reuses the id.
                 self._post(AbortRequest(stream))
 
+    def _open_stream(self, request_id: str, n: int, text, ids: list[int]) -> RequestStream:
+        """A registered RequestStream of ``n`` sequences for a new request (generate,
+        encode): ValueError for an id in use, the capacity checks, the health check."""
+        stream = RequestStream(request_id, asyncio.get_running_loop(), n, text, ids,
+                               max_queued=self.max_queued_outputs, on_overflow=self._on_overflow)
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.check_capacity(n)
+            self._streams[request_id] = stream
+            self._in_flight += stream.n
+        if self._dead_error is not None:  # died between the check above and registration
+            stream.closed = True
+            self._unregister(stream)
+            self.check_health()
+        return stream
+
     async def encode(self, prompt, pooling_params: PoolingParams, request_id: str, *, priority: int = 0,
                      add_special_tokens: bool = True) -> PoolingRequestOutput:
         """A pooling request's output (docs/pooling.md): ``prompt`` a str, token ids,
@@ -277,18 +282,7 @@ class AsyncLLM:
             prompt = {"prompt_token_ids": prompt}
         text, ids, params = self.engine.prepare_pooling(prompt, pooling_params, add_special_tokens=add_special_tokens,
                                                         tokenizer=self.tokenizer, input_processor=self.input_processor)
-        stream = RequestStream(request_id, asyncio.get_running_loop(), 1, text, ids,
-                               max_queued=self.max_queued_outputs, on_overflow=self._on_overflow)
-        with self._streams_lock:
-            if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self.check_capacity(1)
-            self._streams[request_id] = stream
-            self._in_flight += 1
-        if self._dead_error is not None:
-            stream.closed = True
-            self._unregister(stream)
-            self.check_health()
+        stream = self._open_stream(request_id, 1, text, ids)
         self._post(AddRequest(stream, text, ids, params, priority))
         finished = False
         try:

@@ -44,11 +44,11 @@ def sentence_transformers_pooling(folder: Path) -> dict:
     return out
 
 
-def resolve_pooler_config(folder: str | Path, runner: str = "auto", convert: str = "auto",
+def resolve_pooler_config(folder: str | Path, arch: str, runner: str = "auto", convert: str = "auto",
                           overrides: dict | None = None) -> PoolerConfig | None:
     """The PoolerConfig the engine serves ``folder`` with, None for generation (ValueError
-    for a combination that cannot work)."""
-    from models.config import checkpoint_architecture
+    for a combination that cannot work). ``arch``: the architecture it is served as
+    (ModelArchConfig.from_pretrained's, which reads a *ForCausalLM over *Model tensors as the *Model)."""
     from models.registry import ENCODER_ARCHITECTURES, POOLING_ARCHITECTURES
 
     if runner not in RUNNERS:
@@ -57,7 +57,6 @@ def resolve_pooler_config(folder: str | Path, runner: str = "auto", convert: str
         raise ValueError(f"convert must be one of {', '.join(CONVERTS)}, got {convert!r}")
     folder = Path(folder)
     cfg = json.loads((folder / "config.json").read_text())
-    arch = checkpoint_architecture(folder, cfg) or ""
     native = POOLING_ARCHITECTURES.get(arch)  # what a pooling-only architecture is for
     if runner == "auto":
         runner = "pooling" if native or convert in ("embed", "classify") or overrides else "generate"
