@@ -1,12 +1,18 @@
-"""BERT-family encoders (BertModel, XLMRobertaModel; XLMRobertaForSequenceClassification
-as a cross-encoder) for the pooling runner (docs/pooling.md).
+"""BERT-family encoders (BertModel, XLMRobertaModel; BertForSequenceClassification and
+XLMRobertaForSequenceClassification as cross-encoders) for the pooling runner
+(docs/pooling.md).
 
 An encoder attends both ways within its own input, so a request's whole prompt runs in
 one step (the engine turns chunked prefill off for encoders) and nothing is written to
 or read from the KV cache: attention is computed here, densely, over each request's own
 tokens of the step's ragged batch (``segment_attention``). Absolute position embeddings
-(XLM-R's start at padding_idx + 1), token type 0, post-layer-norm, GELU (erf).
-``rms_norm_eps`` holds the config's layer_norm_eps.
+(XLM-R's start at padding_idx + 1), post-layer-norm, GELU (erf). ``rms_norm_eps``
+holds the config's layer_norm_eps.
+
+Token types (BERT's segment ids: 0 for a pair's first text, 1 for its second) ride in
+the token ids, ``id | type << TOKEN_TYPE_SHIFT`` (``pack_token_types``), so the step's
+inputs stay one int32 array (vLLM's encoding): the engine packs a pair prompt's types
+when the model has more than one, and the embedding splits them again.
 """
 from __future__ import annotations
 
@@ -29,6 +35,12 @@ L, D, F, V = "num_hidden_layers", "hidden_size", "intermediate_size", "padded_vo
 NH = "num_attention_heads*head_dim"
 LAYER = "encoder.layer.{i}."
 QUERY_BLOCK = 256  # queries per block of segment_attention
+TOKEN_TYPE_SHIFT = 30  # above any vocabulary; type 1 still fits an int32
+
+
+def pack_token_types(ids: list[int], token_type_ids: list[int]) -> list[int]:
+    """Token ids with their token types in the high bits (the step's input ids)."""
+    return [i | (t << TOKEN_TYPE_SHIFT) for i, t in zip(ids, token_type_ids, strict=True)]
 
 
 def layer_norm(x, w, b, eps):
@@ -162,9 +174,11 @@ class BertModel(CausalLM):
         """As the decoders' (models/llama.py), with no KV cache use: kv_cache comes back
         as it came. Returns (the last hidden states [T, D], kv_cache)."""
         c = self.config
+        types = input_ids >> TOKEN_TYPE_SHIFT  # 0 unless the engine packed a pair's types
+        input_ids = input_ids & ((1 << TOKEN_TYPE_SHIFT) - 1)
         h = (self.embed_tokens[...][input_ids].astype(jnp.float32)
              + self.position_embeddings[...][positions + c.position_offset].astype(jnp.float32)
-             + self.token_type_embeddings[...][0].astype(jnp.float32))
+             + self.token_type_embeddings[...][jnp.minimum(types, c.type_vocab_size - 1)].astype(jnp.float32))
         h = layer_norm(h, self.embed_norm[...], self.embed_norm_bias[...], c.rms_norm_eps).astype(self.dtype)
         names = [n for n, w in param_map(type(self), c).items() if w.per_layer]
         stacked = {n: getattr(self.layers, n)[...] for n in names}
@@ -186,12 +200,11 @@ class XLMRobertaModel(BertModel):
     architectures = ("XLMRobertaModel",)
 
 
-class XLMRobertaForSequenceClassification(BertModel):
-    """A cross-encoder (bge-reranker style): RoBERTa's classification head on the first
-    token: out_proj(tanh(dense(h[0]))). Pooled with CLS."""
+class _SequenceClassifier(BertModel):
+    """A cross-encoder's head on the first token's state: ``score(tanh(dense(h[0])))``,
+    with the checkpoint names of HEAD (dense weight, dense bias, score weight, score bias)."""
 
-    architectures = ("XLMRobertaForSequenceClassification",)
-    prefix = "roberta."
+    HEAD: tuple[str, str, str, str]
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelArchConfig:
@@ -201,11 +214,12 @@ class XLMRobertaForSequenceClassification(BertModel):
 
     @classmethod
     def weight_map(cls, c: ModelArchConfig) -> dict[str, Weight]:
+        dw, db, sw, sb = cls.HEAD
         return super().weight_map(c) | {
-            "head_dense": Weight("classifier.dense.weight", (D, D), transpose=True),
-            "head_dense_bias": Weight("classifier.dense.bias", (D,)),
-            "score": Weight("classifier.out_proj.weight", (D, "num_labels"), transpose=True),
-            "score_bias": Weight("classifier.out_proj.bias", ("num_labels",)),
+            "head_dense": Weight(dw, (D, D), transpose=True),
+            "head_dense_bias": Weight(db, (D,)),
+            "score": Weight(sw, (D, "num_labels"), transpose=True),
+            "score_bias": Weight(sb, ("num_labels",)),
         }
 
     def __init__(self, config: ModelArchConfig, weights: dict, **kwargs) -> None:
@@ -217,3 +231,27 @@ class XLMRobertaForSequenceClassification(BertModel):
     def pool_head(self, pooled):
         x = jnp.tanh(pooled.astype(jnp.float32) @ self.head_dense[...] + self.head_dense_bias[...])
         return x @ self.score[...] + self.score_bias[...]
+
+
+class BertForSequenceClassification(_SequenceClassifier):
+    """A BERT cross-encoder (ms-marco MiniLM style): BERT's pooler (dense + tanh on
+    [CLS]), then the classifier. Pooled with CLS; pairs carry their token types."""
+
+    architectures = ("BertForSequenceClassification",)
+    prefix = "bert."
+    HEAD = ("bert.pooler.dense.weight", "bert.pooler.dense.bias", "classifier.weight", "classifier.bias")
+
+    @classmethod
+    def ignored_hf_tensors(cls, config: ModelArchConfig) -> tuple[str, ...]:
+        # The pooler is this head's first half: keep it (BertModel drops it).
+        return tuple(p for p in super().ignored_hf_tensors(config) if "pooler" not in p)
+
+
+class XLMRobertaForSequenceClassification(_SequenceClassifier):
+    """A cross-encoder (bge-reranker style): RoBERTa's classification head on the first
+    token: out_proj(tanh(dense(h[0]))). Pooled with CLS."""
+
+    architectures = ("XLMRobertaForSequenceClassification",)
+    prefix = "roberta."
+    HEAD = ("classifier.dense.weight", "classifier.dense.bias", "classifier.out_proj.weight",
+            "classifier.out_proj.bias")

@@ -22,7 +22,8 @@ _MODEL_REGISTRY = {
     **{name: ("models.adapters", name) for name in (
         "LlamaForSequenceClassification", "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification",
         "LlamaModel", "Qwen2Model", "Qwen3Model")},
-    **{name: ("models.bert", name) for name in ("BertModel", "XLMRobertaModel", "XLMRobertaForSequenceClassification")},
+    **{name: ("models.bert", name) for name in (
+        "BertModel", "BertForSequenceClassification", "XLMRobertaModel", "XLMRobertaForSequenceClassification")},
 }
 
 
@@ -30,11 +31,13 @@ _MODEL_REGISTRY = {
 # infers it from the name; models/adapters.py, models/bert.py).
 POOLING_ARCHITECTURES = {
     **{a: "classify" for a in ("LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
-                               "Qwen3ForSequenceClassification", "XLMRobertaForSequenceClassification")},
+                               "Qwen3ForSequenceClassification", "BertForSequenceClassification",
+                               "XLMRobertaForSequenceClassification")},
     **{a: "embed" for a in ("LlamaModel", "Qwen2Model", "Qwen3Model", "BertModel", "XLMRobertaModel")},
 }
 # Encoders (models/bert.py): bidirectional, a whole prompt per step, no KV cache use, first-token pooling by default.
-ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "XLMRobertaForSequenceClassification")
+ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "XLMRobertaModel",
+                         "XLMRobertaForSequenceClassification")
 
 
 def get_model_class(architecture: str):

@@ -67,6 +67,7 @@ class AddRequest:
     priority: int = 0
     cache_salt: str | None = None
     lora_request: object = None  # jaxserve.lora.LoRARequest, read and checked by the caller already
+    token_type_ids: list[int] | None = None  # a pooling pair's (LLMEngine.prepare_pooling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,10 +281,11 @@ class AsyncLLM:
         self.check_health()
         if isinstance(prompt, list):
             prompt = {"prompt_token_ids": prompt}
-        text, ids, params = self.engine.prepare_pooling(prompt, pooling_params, add_special_tokens=add_special_tokens,
-                                                        tokenizer=self.tokenizer, input_processor=self.input_processor)
+        text, ids, params, types = self.engine.prepare_pooling(
+            prompt, pooling_params, add_special_tokens=add_special_tokens, tokenizer=self.tokenizer,
+            input_processor=self.input_processor)
         stream = self._open_stream(request_id, 1, text, ids)
-        self._post(AddRequest(stream, text, ids, params, priority))
+        self._post(AddRequest(stream, text, ids, params, priority, token_type_ids=types))
         finished = False
         try:
             item = await stream.queue.get()
@@ -514,7 +516,8 @@ class AsyncLLM:
             try:
                 if isinstance(cmd.params, PoolingParams):
                     self.engine.add_tokenized_pooling_request(stream.request_id, cmd.prompt, cmd.prompt_token_ids,
-                                                              cmd.params, priority=cmd.priority, stream=stream)
+                                                              cmd.params, priority=cmd.priority, stream=stream,
+                                                              token_type_ids=cmd.token_type_ids)
                 else:
                     self.engine.add_tokenized_request(stream.request_id, cmd.prompt, cmd.prompt_token_ids,
                                                       cmd.params, priority=cmd.priority, cache_salt=cmd.cache_salt,

@@ -171,7 +171,8 @@ class LLMEngine:
                         tokenizer=None, input_processor: InputProcessor | None = None):
         """A pooling request's inputs, checked (docs/pooling.md): ``prompt`` as in
         add_request, or a (text_1, text_2) pair tokenized as one cross-encoder input ->
-        (text, token ids after truncate_prompt_tokens, the resolved PoolingParams).
+        (text, token ids after truncate_prompt_tokens, the resolved PoolingParams, the
+        token type ids: the tokenizer's for a pair when the model embeds token types, else None).
         ValueError on a generative engine, or for params the model cannot serve.
         ``tokenizer`` / ``input_processor``: the caller's copies (AsyncLLM's, off the engine thread)."""
         tokenizer, input_processor = tokenizer or self.tokenizer, input_processor or self.input_processor
@@ -182,26 +183,36 @@ class LLMEngine:
         if not isinstance(params, PoolingParams):
             raise TypeError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
         max_len = self.config.scheduler_config.max_model_len
-        resolved = params.resolve(pooler, hidden_size=self.model_runner.arch.hidden_size, max_model_len=max_len)
+        arch = self.model_runner.arch
+        resolved = params.resolve(pooler, hidden_size=arch.hidden_size, max_model_len=max_len)
+        types = None
         if isinstance(prompt, tuple):
             text = None
-            ids = tokenizer(prompt[0], text_pair=prompt[1], add_special_tokens=add_special_tokens)["input_ids"]
+            enc = tokenizer(prompt[0], text_pair=prompt[1], add_special_tokens=add_special_tokens,
+                            return_token_type_ids=True)
+            ids = enc["input_ids"]
+            # Only a BERT-style encoder reads them (models/bert.py); all zeros changes nothing.
+            if arch.type_vocab_size > 1 and any(enc.get("token_type_ids") or ()):
+                types = resolved.truncate(list(enc["token_type_ids"]), max_len)
         else:
             text, ids = input_processor.tokenize(prompt, add_special_tokens=add_special_tokens)
         ids = resolved.truncate(list(ids), max_len)
         input_processor.validate(ids, _POOLING_SAMPLING)
-        return text, ids, resolved
+        return text, ids, resolved, types
 
     def add_pooling_request(self, request_id: str, prompt, params: PoolingParams, *, priority: int = 0,
                             add_special_tokens: bool = True) -> None:
         """A pooling request (prepare_pooling's inputs); its output is a PoolingRequestOutput."""
-        text, ids, resolved = self.prepare_pooling(prompt, params, add_special_tokens=add_special_tokens)
-        self.add_tokenized_pooling_request(request_id, text, ids, resolved, priority=priority)
+        text, ids, resolved, types = self.prepare_pooling(prompt, params, add_special_tokens=add_special_tokens)
+        self.add_tokenized_pooling_request(request_id, text, ids, resolved, priority=priority, token_type_ids=types)
 
     def add_tokenized_pooling_request(self, request_id: str, text, ids: list[int], params: PoolingParams, *,
                                       priority: int = 0, stream: RequestStream | None = None,
-                                      arrival_time: float | None = None) -> None:
-        """A pooling request whose inputs prepare_pooling checked (``params`` resolved)."""
+                                      arrival_time: float | None = None,
+                                      token_type_ids: list[int] | None = None) -> None:
+        """A pooling request whose inputs prepare_pooling checked (``params`` resolved).
+        token_type_ids ride to the model in the ids' high bits (models/bert.py); the
+        output's prompt_token_ids are the plain ids."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         states, core = self.output_processor.request_states, self.engine_core
@@ -210,6 +221,10 @@ class LLMEngine:
         self._children[request_id] = [request_id]
         self.output_processor.add_request(request_id, request_id, 0, text, ids, _POOLING_SAMPLING, stream=stream,
                                           arrival_time=arrival_time, pooling_params=params)
+        if token_type_ids is not None:
+            from models.bert import pack_token_types
+
+            ids = pack_token_types(ids, token_type_ids)
         # max_tokens 1 is never reached: the request ends with its prompt.
         self.engine_core.add_request(Request(request_id, ids, _POOLING_SAMPLING, None, priority=priority,
                                              max_tokens=1, arrival_time=arrival_time))

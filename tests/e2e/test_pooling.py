@@ -235,3 +235,35 @@ def test_bert_and_xlmr_encoders(tmp_path):
     np.testing.assert_allclose(got, want, atol=2e-5)
     with pytest.raises(ValueError, match="whole prompt in one step"):
         make_llm(ce, max_num_batched_tokens=64)
+
+
+def test_bert_cross_encoder_token_types(tmp_path):
+    """A BERT cross-encoder (pooler + classifier) against HF's on pairs, whose second
+    text has token type 1: scores (sigmoid of one label) and a 3-label classifier's
+    probabilities, within 1e-4 (float32); the types change the scores."""
+    docs = ["w5 w6", "w7 w8 w9 w10", "w11", "w12 w13 w14 w15 w16 w17 w18"]
+    for labels in (1, 3):
+        ce = make_pooling_model(tmp_path / f"bert_ce{labels}", "bert", "classifier", num_labels=labels)
+        hf = transformers.AutoModelForSequenceClassification.from_pretrained(ce).float().eval()
+        tok = transformers.AutoTokenizer.from_pretrained(ce)
+        enc = [tok("w3 w4", text_pair=d, return_tensors="pt") for d in docs]
+        assert all(e["token_type_ids"].sum() > 0 for e in enc)
+        with torch.no_grad():
+            logits = [hf(**e).logits[0] for e in enc]
+            untyped = [hf(e["input_ids"]).logits[0] for e in enc]
+        llm = make_llm(ce, max_num_batched_tokens=512)
+        if labels == 1:
+            got = [s.outputs.score for s in llm.score("w3 w4", docs, use_tqdm=False)]
+            want = [float(torch.sigmoid(x[0])) for x in logits]
+            np.testing.assert_allclose(got, want, atol=1e-4)
+            assert max(abs(g - float(torch.sigmoid(u[0]))) for g, u in zip(got, untyped)) > 1e-3
+        else:
+            got = [o.outputs.probs for o in llm.classify([("w3 w4", d) for d in docs], use_tqdm=False)]
+            np.testing.assert_allclose(got, [torch.softmax(x, -1).numpy() for x in logits], atol=1e-4)
+            # A single text has no second segment: token types all 0, as HF.
+            one = llm.classify("w3 w4 w5", use_tqdm=False)[0]
+            with torch.no_grad():
+                want = torch.softmax(hf(**tok("w3 w4 w5", return_tensors="pt")).logits[0], -1).numpy()
+            np.testing.assert_allclose(one.outputs.probs, want, atol=1e-4)
+            assert one.prompt_token_ids == tok("w3 w4 w5")["input_ids"]
+        del llm

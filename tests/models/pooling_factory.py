@@ -47,6 +47,8 @@ def make_pooling_model(path: Path, arch: str = "qwen3", head: str = "model", *, 
                 p.normal_(1, 0.3)
     model.float().eval().save_pretrained(path)
     _write_tokenizer(path, vocab)
+    if arch == "bert" and head == "classifier":
+        _bert_pair_template(path)
     if st_pooling:
         modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
@@ -59,3 +61,16 @@ def make_pooling_model(path: Path, arch: str = "qwen3", head: str = "model", *, 
             "word_embedding_dimension": 64, "pooling_mode_cls_token": st_pooling == "cls",
             "pooling_mode_mean_tokens": st_pooling == "mean", "pooling_mode_lasttoken": st_pooling == "lasttoken"}))
     return path
+
+
+def _bert_pair_template(path: Path) -> None:
+    """BERT's pair layout on the word tokenizer: ``<s> a </s> b </s>`` with token types
+    0 for ``<s> a </s>`` and 1 for ``b </s>`` (as [CLS] / [SEP] in BERT's own)."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1", special_tokens=[("<s>", 1), ("</s>", 2)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                            model_input_names=["input_ids", "token_type_ids", "attention_mask"]).save_pretrained(path)

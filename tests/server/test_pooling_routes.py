@@ -1,7 +1,7 @@
 """The pooling routes over a real engine and uvicorn (server/serving_pooling.py, vLLM's
 shapes): /v1/embeddings through the OpenAI client (float and base64), dimensions,
 truncate_prompt_tokens and usage; /pooling; /classify; /score and /rerank (all three
-paths) ordered as HF's cross-encoder orders them; the generate <-> pooling route
+paths) ordered as HF's cross-encoder orders them (a decoder's and BERT's, with token types); the generate <-> pooling route
 mismatches and bad inputs as 400s."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ ARGS = TINY_ENGINE_ARGS | {"dtype": "float32", "enforce_eager": True}
 
 
 def serve(path, **kw):
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(path), **ARGS, **kw), progress=False)
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(path), **(ARGS | kw)), progress=False)
     srv = RunningServer(build_app(engine, "m"))
     return engine, srv
 
@@ -38,12 +38,14 @@ def embedder(tmp_path_factory):
     engine.shutdown()
 
 
-@pytest.fixture(scope="module")
-def reranker(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "bert"])
+def reranker(tmp_path_factory, request):
+    """A decoder cross-encoder, and BERT's (the pair's token types reach the model)."""
     from tests.models.pooling_factory import make_pooling_model
 
-    path = make_pooling_model(tmp_path_factory.mktemp("srv_ce"), "llama", "classifier", num_labels=1)
-    engine, srv = serve(path)
+    path = make_pooling_model(tmp_path_factory.mktemp("srv_ce"), request.param, "classifier", num_labels=1)
+    # An encoder takes a whole prompt per step: the step holds max_model_len tokens.
+    engine, srv = serve(path, **({"max_num_batched_tokens": 256} if request.param == "bert" else {}))
     with httpx.Client(base_url=srv.url, timeout=60) as c:
         yield path, c
     srv.stop()
@@ -122,7 +124,7 @@ def test_rerank_and_score_order_as_hf(reranker):
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(path).float().eval()
     query, docs = "w5 w6 w7", ["w8 w9", "w10 w11 w12 w13", "w14", "w15 w16 w17 w18 w19 w20"]
     with torch.no_grad():
-        want = [float(torch.sigmoid(hf(torch.tensor([tok(query, text_pair=d)["input_ids"]])).logits[0, 0]))
+        want = [float(torch.sigmoid(hf(**tok(query, text_pair=d, return_tensors="pt")).logits[0, 0]))
                 for d in docs]
     r = http.post("/score", json={"text_1": query, "text_2": docs})
     np.testing.assert_allclose([d["score"] for d in r.json()["data"]], want, atol=1e-5)
