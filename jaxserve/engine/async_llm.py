@@ -511,7 +511,9 @@ class AsyncLLM:
     def _apply(self, cmd: EngineCommand, iteration: IterationStats) -> None:
         if isinstance(cmd, AddRequest):
             stream = cmd.stream
-            if stream.closed:  # aborted before it reached the engine
+            if stream.closed:  # aborted before it reached the engine: still an aborted request in the metrics
+                iteration.finished_requests.append(FinishedRequestStats(
+                    "abort", time.monotonic() - stream.arrival_time, len(stream.prompt_token_ids), 0, None, None))
                 return
             try:
                 if isinstance(cmd.params, PoolingParams):

@@ -587,7 +587,9 @@ def test_non_streaming_timeouts_abort(server, http):
     before = metric(http.get("/metrics").text, "jaxserve:request_success_total", finished_reason="abort")
 
     async def run():
-        async with httpx.AsyncClient(base_url=server.url, timeout=0.5) as c:
+        # 0.1 s: well short of 20 x 240 tokens (0.5 s was not, on a warm engine); a request
+        # cut off before it reached the engine is counted as aborted all the same.
+        async with httpx.AsyncClient(base_url=server.url, timeout=0.1) as c:
             async def one(i):
                 with pytest.raises(httpx.TimeoutException):
                     await c.post("/v1/chat/completions", json={
@@ -601,6 +603,27 @@ def test_non_streaming_timeouts_abort(server, http):
                                      finished_reason="abort") == before + 20, 5)
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 3}, timeout=5)
     assert r.status_code == 200
+
+
+def test_abort_before_the_engine_counts(server, http):
+    """A request aborted before the engine thread added it (a client gone at once) is
+    still counted as an aborted request: none goes missing from the metrics."""
+    from jaxserve import SamplingParams
+    from jaxserve.engine.async_llm import AddRequest
+
+    llm = server.async_llm
+    before = metric(http.get("/metrics").text, "jaxserve:request_success_total", finished_reason="abort")
+
+    async def run():
+        stream = llm._open_stream("closed-early", 1, None, [5, 6, 7])
+        stream.closed = True  # as the caller's abort does before the command is applied
+        llm._unregister(stream)
+        llm._post(AddRequest(stream, None, [5, 6, 7], SamplingParams(max_tokens=4)))
+
+    asyncio.run(run())
+    assert wait_until(lambda: metric(http.get("/metrics").text, "jaxserve:request_success_total",
+                                     finished_reason="abort") == before + 1, 5)
+    assert_engine_idle(server, timeout=5)
 
 
 def test_metrics_move(http):
