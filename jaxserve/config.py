@@ -169,6 +169,9 @@ class ModelConfig:
     batch_invariant: bool = False
     # None: a generative model; else the pooling runner serves it (docs/pooling.md).
     pooler_config: PoolerConfig | None = None
+    # Applied on top of the model's config.json (vLLM's --hf-overrides), with
+    # classifier_from_token resolved to classifier_from_token_ids by the engine args.
+    hf_overrides: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

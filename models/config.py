@@ -65,6 +65,11 @@ class ModelArchConfig:
     type_vocab_size: int = 0
     position_offset: int = 0
     num_position_embeddings: int = 0  # the position table's rows (max_position_embeddings + position_offset)
+    # A causal LM served as a classifier from its lm_head rows (vLLM's hf_overrides
+    # classifier_from_token, e.g. Qwen3-Reranker; models/adapters.py): the token ids, and
+    # whether the score is the difference of two rows (from_2_way_softmax: one label).
+    score_from_token_ids: tuple[int, ...] = ()
+    score_two_way: bool = False
 
     def __post_init__(self) -> None:
         if self.padded_vocab_size is None:
@@ -80,13 +85,29 @@ class ModelArchConfig:
         return get_model_class(archs[0]).from_hf_config(cfg)
 
     @staticmethod
-    def from_pretrained(path: str | Path) -> "ModelArchConfig":
-        cfg = json.loads((Path(path) / "config.json").read_text())
+    def from_pretrained(path: str | Path, hf_overrides: dict | None = None) -> "ModelArchConfig":
+        """``hf_overrides``: applied on top of config.json (vLLM's ``--hf-overrides``)."""
+        cfg = read_hf_config(path, hf_overrides)
         # A *ForCausalLM config over HF's *Model tensors (Qwen3-Embedding ships so) is the *Model.
         arch = checkpoint_architecture(Path(path), cfg)
         if arch != (cfg.get("architectures") or [None])[0]:
             cfg = {**cfg, "architectures": [arch]}
         return ModelArchConfig.from_hf_dict(cfg)
+
+
+def merge_hf_overrides(cfg: dict, overrides: dict | None) -> dict:
+    """config.json with ``overrides`` on top; a nested object is merged key by key (as
+    vLLM updates a sub-config), anything else replaced."""
+    out = dict(cfg)
+    for key, value in (overrides or {}).items():
+        out[key] = merge_hf_overrides(out[key], value) if isinstance(value, dict) and isinstance(
+            out.get(key), dict) else value
+    return out
+
+
+def read_hf_config(path: str | Path, hf_overrides: dict | None = None) -> dict:
+    """A model folder's config.json as the engine serves it: with ``hf_overrides`` applied."""
+    return merge_hf_overrides(json.loads((Path(path) / "config.json").read_text()), hf_overrides)
 
 
 def checkpoint_architecture(folder: Path, cfg: dict) -> str | None:

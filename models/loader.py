@@ -25,7 +25,8 @@ logger = logging.getLogger("jaxserve")
 
 
 def load_model(model_path: str | Path, *, mesh: Mesh, dtype, progress: bool = True, scan_layers: bool = True,
-               expert_parallel: bool = False, quantization: str | None = None, param_dtype=None):
+               expert_parallel: bool = False, quantization: str | None = None, param_dtype=None,
+               hf_overrides: dict | None = None):
     """Returns (ModelArchConfig, graphdef, state). The arch is the EFFECTIVE one for the
     mesh's tensor-parallel size (models/sharding.py: padded vocabulary, replicated KV
     heads; ``vocab_size`` stays the real vocabulary). Params come in ``dtype``, each
@@ -35,9 +36,10 @@ def load_model(model_path: str | Path, *, mesh: Mesh, dtype, progress: bool = Tr
     ``quantization``: "int8" stores the projections as int8 with per-channel scales
     (models/quantization.py), quantized on the devices as each param arrives.
     ``param_dtype``: the matmul weights' dtype when not ``dtype`` (bf16 weights under
-    float32 activations; ``models.quantization.matmul``), read from the checkpoint in it."""
+    float32 activations; ``models.quantization.matmul``), read from the checkpoint in it.
+    ``hf_overrides``: applied on top of config.json (vLLM's ``--hf-overrides``)."""
     check_quantization(quantization)
-    arch = ModelArchConfig.from_pretrained(model_path)
+    arch = ModelArchConfig.from_pretrained(model_path, hf_overrides)
     model_cls = get_model_class(arch.architecture)
     arch = arch_for_tensor_parallel(arch, mesh.shape[MODEL], model_cls, expert_parallel=expert_parallel)
     stored = read_checkpoint_quantization(json.loads((Path(model_path) / "config.json").read_text()))

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 
 from jaxserve.pooling_params import PoolingParams
+from models.config import read_hf_config
 from server.errors import APIError, bad_request, engine_error, guess_param
 from server.protocol import (ClassificationRequest, EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest,
                              random_uuid)
@@ -45,9 +45,14 @@ class OpenAIServingPooling(OpenAIServing):
         super().__init__(*args, **kwargs)
         mc = self.engine_client.model_config
         self.pooler = getattr(mc, "pooler_config", None)
-        config_file = Path(str(getattr(mc, "model", ""))) / "config.json"
-        cfg = json.loads(config_file.read_text()) if self.pooler is not None and config_file.is_file() else {}
-        self.id2label = {int(k): v for k, v in (cfg.get("id2label") or {}).items()}
+        folder = Path(str(getattr(mc, "model", "")))
+        cfg = (read_hf_config(folder, getattr(mc, "hf_overrides", None))
+               if self.pooler is not None and (folder / "config.json").is_file() else {})
+        labels = {int(k): v for k, v in (cfg.get("id2label") or {}).items()}
+        n = getattr(self.pooler, "num_labels", len(labels))
+        # A classifier made of lm_head rows (classifier_from_token) has its own number of
+        # labels: HF's default names then, as vLLM's config update gives them.
+        self.id2label = labels if len(labels) == n else {i: f"LABEL_{i}" for i in range(n)}
 
     def check_task(self, task: str, route: str) -> None:
         """400 naming the route to use when this model does not serve ``task``."""

@@ -123,6 +123,10 @@ class EngineArgs:
     pooler_config: dict[str, Any] | None = field(default=None, metadata=_arg(
         'Pooling settings as a JSON object, e.g. \'{"pooling_type": "MEAN", "normalize": false}\' '
         "(keys: pooling_type LAST / CLS / MEAN, normalize, use_activation, dimensions)."))
+    hf_overrides: dict[str, Any] | None = field(default=None, metadata=_arg(
+        "JSON object applied on top of the model's config.json, vLLM's; e.g. a Qwen3-Reranker as a classifier: "
+        '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+        '"is_original_qwen3_reranker": true}\' (docs/pooling.md).'))
     # ------------------------------------------------------------------ KV cache
     block_size: int = field(default=CacheConfig.block_size, metadata=_arg("KV cache block size in tokens."))
     enable_prefix_caching: bool = field(default=CacheConfig.enable_prefix_caching, metadata=_arg(
@@ -254,13 +258,15 @@ class EngineArgs:
         from models.config import ModelArchConfig
         from models.default_model import DEFAULT_MODEL_NAME
 
-        from jaxserve.engine.pooler_resolver import resolve_pooler_config
+        from jaxserve.engine.pooler_resolver import resolve_hf_overrides, resolve_pooler_config
 
         from models.registry import ENCODER_ARCHITECTURES
 
         path = resolve_model_path(self.model, progress=progress)
-        arch = ModelArchConfig.from_pretrained(path)
-        pooler_config = resolve_pooler_config(path, arch.architecture, self.runner, self.convert, self.pooler_config)
+        hf_overrides = resolve_hf_overrides(path, self.tokenizer, self.hf_overrides)
+        arch = ModelArchConfig.from_pretrained(path, hf_overrides)
+        pooler_config = resolve_pooler_config(path, arch.architecture, self.runner, self.convert, self.pooler_config,
+                                              hf_overrides)
         model_limit = arch.max_position_embeddings
         max_model_len = self.max_model_len
         if max_model_len is None:
@@ -286,7 +292,7 @@ class EngineArgs:
             max_logprobs=self.max_logprobs, attention_backend=self.attention_backend, scan_layers=self.scan_layers,
             generation_config=self.generation_config, override_generation_config=self.override_generation_config,
             quantization=self.quantization, batch_invariant=self.batch_invariant or batch_invariant_env(),
-            pooler_config=pooler_config)
+            pooler_config=pooler_config, hf_overrides=hf_overrides)
         defaults = model_config.get_diff_sampling_param()
         if defaults:
             logger.info("Sampling defaults from the model's generation config: %s (a request's own values win; "

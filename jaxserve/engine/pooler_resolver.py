@@ -8,7 +8,9 @@ PoolerConfig (None: a generative model), vLLM's rules (docs/pooling.md):
   sentence-transformers files where present (``modules.json`` -> the Pooling module's
   ``config.json``; a ``Normalize`` module), else the decoder's default: the last token,
   normalized; a classifier pools the last token (as HF's does);
-- ``--pooler-config`` (a JSON object) overrides any of them.
+- ``--pooler-config`` (a JSON object) overrides any of them;
+- ``--hf-overrides`` ``classifier_from_token`` serves a causal LM as a classifier from
+  its lm_head rows (Qwen3-Reranker; resolve_hf_overrides).
 """
 from __future__ import annotations
 
@@ -44,11 +46,62 @@ def sentence_transformers_pooling(folder: Path) -> dict:
     return out
 
 
+SCORE_FROM_TOKEN_METHODS = ("from_2_way_softmax", "no_post_processing")
+_TOKEN_CLASSIFIERS = ("LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
+                      "Qwen3ForSequenceClassification")
+
+
+def resolve_hf_overrides(folder: str | Path, tokenizer: str | None, overrides: dict | None) -> dict | None:
+    """vLLM's ``hf_overrides`` as the engine applies them: ``classifier_from_token`` (a
+    causal LM served as a classifier whose score head is lm_head rows) resolved to
+    ``classifier_from_token_ids`` with the model's tokenizer, and vLLM's defaults filled:
+    ``is_original_qwen3_reranker`` means tokens ["no", "yes"] and ``method``
+    from_2_way_softmax (one label: lm_head[yes] - lm_head[no], whose sigmoid is the
+    softmax probability of "yes"); any other token list defaults to no_post_processing
+    (one label per token: the rows themselves). ValueError naming the key otherwise."""
+    if not overrides:
+        return overrides
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a JSON object, got {type(overrides).__name__}")
+    out = dict(overrides)
+    if out.get("is_original_qwen3_reranker"):
+        out.setdefault("classifier_from_token", ["no", "yes"])
+        out.setdefault("method", "from_2_way_softmax")
+    tokens = out.get("classifier_from_token")
+    if tokens is None:
+        return out
+    from models.config import read_hf_config
+
+    arch = (read_hf_config(folder, out).get("architectures") or [None])[0]
+    if arch not in _TOKEN_CLASSIFIERS:
+        raise ValueError(f"hf_overrides: classifier_from_token needs architectures one of {list(_TOKEN_CLASSIFIERS)} "
+                         f"(the causal LM served as a classifier), got {arch!r}")
+    if not (isinstance(tokens, list) and tokens and all(isinstance(t, str) for t in tokens)):
+        raise ValueError(f"hf_overrides: classifier_from_token must be a non-empty list of token strings, got {tokens!r}")
+    method = out.setdefault("method", "no_post_processing")
+    if method not in SCORE_FROM_TOKEN_METHODS:
+        raise ValueError(f"hf_overrides: method must be one of {list(SCORE_FROM_TOKEN_METHODS)}, got {method!r}")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ValueError(f"hf_overrides: method from_2_way_softmax needs two classifier_from_token entries "
+                         f"([false, true]), got {len(tokens)}")
+    from jaxserve.engine.llm_engine import load_tokenizer
+
+    vocab = load_tokenizer(tokenizer or str(folder)).get_vocab()
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        raise ValueError(f"hf_overrides: classifier_from_token {missing} are not single tokens of the model's "
+                         f"vocabulary")
+    out["classifier_from_token_ids"] = [vocab[t] for t in tokens]
+    return out
+
+
 def resolve_pooler_config(folder: str | Path, arch: str, runner: str = "auto", convert: str = "auto",
-                          overrides: dict | None = None) -> PoolerConfig | None:
+                          overrides: dict | None = None, hf_overrides: dict | None = None) -> PoolerConfig | None:
     """The PoolerConfig the engine serves ``folder`` with, None for generation (ValueError
     for a combination that cannot work). ``arch``: the architecture it is served as
-    (ModelArchConfig.from_pretrained's, which reads a *ForCausalLM over *Model tensors as the *Model)."""
+    (ModelArchConfig.from_pretrained's, which reads a *ForCausalLM over *Model tensors as the *Model).
+    ``hf_overrides``: resolve_hf_overrides's, applied on top of config.json."""
+    from models.config import read_hf_config
     from models.registry import ENCODER_ARCHITECTURES, POOLING_ARCHITECTURES
 
     if runner not in RUNNERS:
@@ -56,7 +109,7 @@ def resolve_pooler_config(folder: str | Path, arch: str, runner: str = "auto", c
     if convert not in CONVERTS:
         raise ValueError(f"convert must be one of {', '.join(CONVERTS)}, got {convert!r}")
     folder = Path(folder)
-    cfg = json.loads((folder / "config.json").read_text())
+    cfg = read_hf_config(folder, hf_overrides)
     native = POOLING_ARCHITECTURES.get(arch)  # what a pooling-only architecture is for
     if runner == "auto":
         runner = "pooling" if native or convert in ("embed", "classify") or overrides else "generate"

@@ -103,7 +103,8 @@ class WeightUpdater:
         """The served model's configuration, read on the first folder update (not at start)."""
         from models.config import ModelArchConfig
 
-        return _arch_fields(ModelArchConfig.from_pretrained(self.runner.model_path))
+        return _arch_fields(ModelArchConfig.from_pretrained(self.runner.model_path,
+                                                         self.runner.config.model_config.hf_overrides))
 
     # ------------------------------------------------------------------ reading
     def get_params(self) -> nnx.State:
@@ -248,7 +249,8 @@ class WeightUpdater:
         if not (folder / "config.json").is_file():
             raise ValueError(f"update_weights: {folder} is not a model folder (no config.json)")
         runner = self.runner
-        ours, theirs = self._arch_fields, _arch_fields(ModelArchConfig.from_pretrained(folder))
+        ours = self._arch_fields  # the served model's --hf-overrides apply to the folder too
+        theirs = _arch_fields(ModelArchConfig.from_pretrained(folder, runner.config.model_config.hf_overrides))
         if theirs != ours:
             diff = {k: (v, theirs.get(k)) for k, v in ours.items() if theirs.get(k) != v}
             raise ValueError(f"update_weights: {folder}'s config.json describes another model (differs in "

@@ -267,3 +267,55 @@ def test_bert_cross_encoder_token_types(tmp_path):
             np.testing.assert_allclose(one.outputs.probs, want, atol=1e-4)
             assert one.prompt_token_ids == tok("w3 w4 w5")["input_ids"]
         del llm
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_causal_lm_reranker_from_tokens(tiny_models, tie):
+    """A causal LM as a classifier from its lm_head rows (vLLM's --hf-overrides
+    classifier_from_token, Qwen3-Reranker's recipe): from_2_way_softmax scores equal
+    HF's softmax over the two tokens' logits at the last token (P(true)), the ranking
+    HF's; no_post_processing classifies with the rows themselves (the raw logits)."""
+    path = tiny_models("qwen3", tie=tie)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
+    false_id, true_id = tok.convert_tokens_to_ids(["w7", "w9"])
+    rng = np.random.default_rng(11)
+    query = " ".join(f"w{i}" for i in rng.integers(3, 500, 5))
+    docs = [" ".join(f"w{i}" for i in rng.integers(3, 500, n)) for n in (3, 8, 20, 45)]
+    with torch.no_grad():
+        last = [hf(torch.tensor([tok(query, text_pair=d)["input_ids"]])).logits[0, -1] for d in docs]
+    want = [float(torch.softmax(lg[[false_id, true_id]], 0)[1]) for lg in last]
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["w7", "w9"],
+                 "method": "from_2_way_softmax"}
+    llm = make_llm(path, hf_overrides=overrides)
+    assert llm.config.model_config.pooler_config.num_labels == 1
+    got = [s.outputs.score for s in llm.score(query, docs, use_tqdm=False)]
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert np.argsort(got).tolist() == np.argsort(want).tolist()
+    del llm
+
+    ids = prompts(6, [4, 37])
+    with torch.no_grad():
+        logits = [hf(torch.tensor([x])).logits[0, -1, [5, 7, 11]].numpy() for x in ids]
+    rows = make_llm(path, hf_overrides={"architectures": ["Qwen3ForSequenceClassification"],
+                                        "classifier_from_token": ["w5", "w7", "w11"]})
+    rewards = rows.reward([{"prompt_token_ids": x} for x in ids], use_tqdm=False)
+    np.testing.assert_allclose(np.stack([r.outputs.data for r in rewards]), np.stack(logits), atol=1e-4)
+    assert rows.classify({"prompt_token_ids": ids[0]}, use_tqdm=False)[0].outputs.num_classes == 3
+
+
+def test_hf_overrides_errors(tiny_models):
+    path = tiny_models("qwen3")
+    cls = ["Qwen3ForSequenceClassification"]
+    with pytest.raises(ValueError, match="not single tokens"):  # the word vocabulary has no "yes" / "no"
+        make_llm(path, hf_overrides={"architectures": cls, "is_original_qwen3_reranker": True})
+    with pytest.raises(ValueError, match="classifier_from_token needs architectures"):
+        make_llm(path, hf_overrides={"classifier_from_token": ["w3", "w4"]})
+    with pytest.raises(ValueError, match="two classifier_from_token"):
+        make_llm(path, hf_overrides={"architectures": cls, "classifier_from_token": ["w3"],
+                                     "method": "from_2_way_softmax"})
+    with pytest.raises(ValueError, match="method must be one of"):
+        make_llm(path, hf_overrides={"architectures": cls, "classifier_from_token": ["w3"], "method": "x"})
+    # A plain override reaches the model's config: a shorter position limit is enforced.
+    with pytest.raises(ValueError, match="exceeds the model's limit of 64"):
+        make_llm(path, hf_overrides={"max_position_embeddings": 64})

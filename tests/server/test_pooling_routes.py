@@ -38,16 +38,28 @@ def embedder(tmp_path_factory):
     engine.shutdown()
 
 
-@pytest.fixture(scope="module", params=["llama", "bert"])
+# A causal LM as a reranker from two lm_head rows (Qwen3-Reranker's recipe, tokens of the word vocabulary).
+TOKEN_RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["w7", "w9"],
+                  "method": "from_2_way_softmax"}
+
+
+@pytest.fixture(scope="module", params=["llama", "bert", "qwen3-tokens"])
 def reranker(tmp_path_factory, request):
-    """A decoder cross-encoder, and BERT's (the pair's token types reach the model)."""
+    """A decoder cross-encoder, BERT's (the pair's token types reach the model), and a
+    causal LM served as one through --hf-overrides classifier_from_token."""
+    from tests.models.hf_factory import make_tiny_hf_model
     from tests.models.pooling_factory import make_pooling_model
 
-    path = make_pooling_model(tmp_path_factory.mktemp("srv_ce"), request.param, "classifier", num_labels=1)
-    # An encoder takes a whole prompt per step: the step holds max_model_len tokens.
-    engine, srv = serve(path, **({"max_num_batched_tokens": 256} if request.param == "bert" else {}))
+    folder = tmp_path_factory.mktemp("srv_ce")
+    if request.param == "qwen3-tokens":
+        path = make_tiny_hf_model(folder, "qwen3")
+        engine, srv = serve(path, hf_overrides=TOKEN_RERANKER)
+    else:
+        path = make_pooling_model(folder, request.param, "classifier", num_labels=1)
+        # An encoder takes a whole prompt per step: the step holds max_model_len tokens.
+        engine, srv = serve(path, **({"max_num_batched_tokens": 256} if request.param == "bert" else {}))
     with httpx.Client(base_url=srv.url, timeout=60) as c:
-        yield path, c
+        yield path, c, request.param
     srv.stop()
     engine.shutdown()
 
@@ -119,13 +131,18 @@ def test_rerank_and_score_order_as_hf(reranker):
     import torch
     import transformers
 
-    path, http = reranker
+    path, http, kind = reranker
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    hf = transformers.AutoModelForSequenceClassification.from_pretrained(path).float().eval()
     query, docs = "w5 w6 w7", ["w8 w9", "w10 w11 w12 w13", "w14", "w15 w16 w17 w18 w19 w20"]
     with torch.no_grad():
-        want = [float(torch.sigmoid(hf(**tok(query, text_pair=d, return_tensors="pt")).logits[0, 0]))
-                for d in docs]
+        if kind == "qwen3-tokens":  # P("w9") of the softmax over the logits of "w7" and "w9"
+            hf = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
+            want = [float(torch.softmax(hf(**tok(query, text_pair=d, return_tensors="pt")).logits[0, -1, [7, 9]],
+                                        0)[1]) for d in docs]
+        else:
+            hf = transformers.AutoModelForSequenceClassification.from_pretrained(path).float().eval()
+            want = [float(torch.sigmoid(hf(**tok(query, text_pair=d, return_tensors="pt")).logits[0, 0]))
+                    for d in docs]
     r = http.post("/score", json={"text_1": query, "text_2": docs})
     np.testing.assert_allclose([d["score"] for d in r.json()["data"]], want, atol=1e-5)
     for route in ("/rerank", "/v1/rerank", "/v2/rerank"):
