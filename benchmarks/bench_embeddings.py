@@ -1,5 +1,7 @@
 """Embedding throughput (issue 33): a decoder embedder of Qwen3-Embedding-0.6B's shape
-(random weights, HF's Qwen3Model layout, last-token pooling, normalized) through
+(random weights, HF's Qwen3Model layout, last-token pooling, normalized; --size 0.6b) or
+a BERT-base-sized encoder (bert-base / e5-base's shape, mean pooling, normalized;
+--size bert-base) through
 jaxserve's pooling runner, sentence-transformers (torch CPU) and vLLM's CPU build
 (--peer-python), each engine in a process of its own, each at its defaults (vLLM:
 bfloat16 on x86; jaxserve: bf16 matmul weights where the CPU multiplies bf16 natively;
@@ -9,6 +11,7 @@ ones (the lowest cosine).
 
     python benchmarks/bench_embeddings.py
     python benchmarks/bench_embeddings.py --peer-python ../vllm-venv/bin/python --cells 1x16 32x128 256x16
+    python benchmarks/bench_embeddings.py --size bert-base --peer-python ../vllm-venv/bin/python
 
 The script runs itself as the worker of each engine (--worker ENGINE): the worker
 imports only what its engine needs, so vLLM's environment needs nothing of jaxserve.
@@ -32,7 +35,13 @@ SIZES = {  # Qwen3-Embedding-0.6B's shape; "tiny" for a quick check of the scrip
                  num_key_value_heads=8, head_dim=128, vocab_size=151669),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512),
+    # BERT-base (bge-base / e5-base / all-mpnet-sized encoders): an encoder, not a decoder.
+    "bert-base": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                      vocab_size=30522, type_vocab_size=2),
+    "bert-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      vocab_size=512, type_vocab_size=2),
 }
+ENCODERS = ("bert-base", "bert-tiny")
 
 
 def make_model(out: Path, size: str) -> Path:
@@ -45,20 +54,25 @@ def make_model(out: Path, size: str) -> Path:
     from hf_factory import _write_tokenizer
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(**SIZES[size], max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
-                                   pad_token_id=0, tie_word_embeddings=True)
-    transformers.Qwen3Model(cfg).float().eval().save_pretrained(out)
-    # As Qwen3-Embedding ships: config.json names Qwen3ForCausalLM over Qwen3Model's tensors.
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
+    if size in ENCODERS:  # BertModel, 512 positions, mean pooling (e5 / all-MiniLM style)
+        cfg = transformers.BertConfig(**SIZES[size], max_position_embeddings=512, pad_token_id=0)
+        transformers.BertModel(cfg, add_pooling_layer=False).float().eval().save_pretrained(out)
+    else:
+        cfg = transformers.Qwen3Config(**SIZES[size], max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+                                       pad_token_id=0, tie_word_embeddings=True)
+        transformers.Qwen3Model(cfg).float().eval().save_pretrained(out)
+        # As Qwen3-Embedding ships: config.json names Qwen3ForCausalLM over Qwen3Model's tensors.
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
     _write_tokenizer(out, SIZES[size]["vocab_size"])
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
     (out / "modules.json").write_text(json.dumps(modules))
     (out / "1_Pooling").mkdir()
+    pooling = "pooling_mode_mean_tokens" if size in ENCODERS else "pooling_mode_lasttoken"
     (out / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": SIZES[size]["hidden_size"], "pooling_mode_lasttoken": True}))
+        "word_embedding_dimension": SIZES[size]["hidden_size"], pooling: True}))
     return out
 
 
@@ -85,7 +99,9 @@ def worker(engine: str, model: str, prompts_file: str, max_len: int) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
         import vllm
 
-        llm = vllm.LLM(model=model, runner="pooling", convert="embed", max_model_len=max_len, seed=0)
+        encoder = json.loads((Path(model) / "config.json").read_text())["architectures"] == ["BertModel"]
+        llm = vllm.LLM(model=model, runner="pooling", max_model_len=max_len, seed=0,
+                       **({} if encoder else {"convert": "embed"}))
         version = f"vllm {vllm.__version__}"
         run = lambda ps: [o.outputs.embedding for o in llm.embed([{"prompt_token_ids": p} for p in ps],  # noqa: E731
                                                                   use_tqdm=False)]
@@ -127,7 +143,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=SIZES, default="0.6b")
     p.add_argument("--cells", nargs="+", default=list(CELLS), help="BATCHxLENGTH cells")
-    p.add_argument("--engines", nargs="+", default=["sentence-transformers", "jaxserve"])
+    p.add_argument("--engines", nargs="*", default=["sentence-transformers", "jaxserve"])
     p.add_argument("--peer-python", help="Python of vLLM's CPU build (adds the vllm engine)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -142,7 +158,8 @@ def main() -> None:
     print(machine_line(), flush=True)
     print(commit_line(), flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench_emb_"))
-    print(f"Building a random {args.size} Qwen3 embedder in {tmp} ...", flush=True)
+    print(f"Building a random {args.size} {'BERT' if args.size in ENCODERS else 'Qwen3'} embedder in {tmp} ...",
+          flush=True)
     model = make_model(tmp / "model", args.size)
     prompts_file = str(tmp / "prompts.json")
     Path(prompts_file).write_text(json.dumps(cells_prompts(args.cells, SIZES[args.size]["vocab_size"])))
