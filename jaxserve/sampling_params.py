@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 _MIN_TEMPERATURE = 1e-2
 _INT32_MAX = 2**31 - 1
 _MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = 1e-6, 1e6
+# logit_bias entries a request may carry: the sampler takes them as a fixed-width input
+# ([rows, MAX_LOGIT_BIAS] ids and values), so no request compiles a program of its own.
+MAX_LOGIT_BIAS = 300
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,9 +101,17 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Grammar-constrained decoding (JSON schema, regex, choice, EBNF).
     structured_outputs: StructuredOutputsParams | None = None
+    # Token controls (vLLM's): logit_bias adds to the logits of token ids (clamped to
+    # OpenAI's [-100, 100]); allowed_token_ids keeps only those ids; bad_words bans words (a
+    # multi-token word's last token is banned where the output ends with the rest).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # Filled in by the engine from the tokenizer / generation config: EOS plus
     # stop_token_ids; the detokenizer holds text back this many characters.
     _all_stop_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
+    # bad_words as token id sequences (InputProcessor, with the tokenizer).
+    _bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
@@ -111,6 +122,21 @@ class SamplingParams:
         else:
             set_("stop", list(self.stop))
         set_("stop_token_ids", list(self.stop_token_ids or []))
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a mapping of token id to bias, got {type(self.logit_bias).__name__}.")
+            try:  # JSON object keys are strings ("50256": -100, as OpenAI's clients send them)
+                bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError("logit_bias must map integer token ids to numbers.") from None
+            if not all(math.isfinite(v) for v in bias.values()):
+                raise ValueError("logit_bias values must be finite numbers.")
+            # Clamped to [-100, 100], as vLLM's from_optional does (OpenAI's range).
+            set_("logit_bias", {k: min(100.0, max(-100.0, v)) for k, v in bias.items()} or None)
+        if self.allowed_token_ids is not None:
+            set_("allowed_token_ids", list(self.allowed_token_ids))
+        if self.bad_words is not None:
+            set_("bad_words", [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words))
         if self.top_k == -1:
             set_("top_k", 0)
         if self.seed == -1:
@@ -177,6 +203,21 @@ class SamplingParams:
                              f"{type(self.structured_outputs).__name__}")
         if self.temperature == 0.0 and self.n > 1:
             raise ValueError("n must be 1 when using greedy sampling (temperature 0).")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}.")
+            if any(t < 0 for t in self.logit_bias):
+                raise ValueError("logit_bias token ids must be non-negative integers.")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+            raise ValueError("allowed_token_ids must be a non-empty list of non-negative integer token ids.")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be a list of non-empty strings.")
+
+    @property
+    def has_token_mask(self) -> bool:
+        """allowed_token_ids or bad_words: the sampler's token bitmask applies to the request."""
+        return self.allowed_token_ids is not None or bool(self._bad_words_token_ids)
 
     @property
     def all_stop_token_ids(self) -> frozenset[int]:

@@ -235,6 +235,8 @@ class _SamplingFields(RequestModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, **_range(minimum=0))
     stop_token_ids: list[_TokenId] | None = None
+    allowed_token_ids: list[_TokenId] | None = None
+    bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

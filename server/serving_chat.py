@@ -199,7 +199,6 @@ class OpenAIServingChat(OpenAIServing):
         lora = self.check_model(request.model)
         self.check_engine()
         self.check_stream_options(request)
-        self.check_unsupported(request)
         # Before the chat template and tokenizing: under overload a 503 should cost little.
         self.check_capacity(request.n or 1)
         _, ids, params, mode = self._prepare(request)

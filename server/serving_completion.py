@@ -90,7 +90,6 @@ class OpenAIServingCompletion(OpenAIServing):
         lora = self.check_model(request.model)
         self.check_engine()
         self.check_stream_options(request)
-        self.check_unsupported(request)
         if request.suffix is not None:
             raise bad_request("suffix is not currently supported", "suffix")
         if request.best_of is not None and request.best_of != request.n:

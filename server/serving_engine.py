@@ -112,11 +112,6 @@ class OpenAIServing:
         return include_usage, include_usage and bool(opts.continuous_usage_stats)
 
     @staticmethod
-    def check_unsupported(request) -> None:
-        if request.logit_bias:
-            raise bad_request("logit_bias is not supported by jaxserve.", "logit_bias")
-
-    @staticmethod
     def request_ids(prefix: str, request, raw_request) -> tuple[str, str]:
         """(response id, engine request id). The response id is ``prefix-`` plus the
         client's X-Request-Id header, else the body's request_id, else a random id (as in
@@ -284,6 +279,9 @@ class OpenAIServing:
                 else skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 structured_outputs=constraint.params if constraint is not None else None,
+                logit_bias=request.logit_bias,
+                allowed_token_ids=request.allowed_token_ids,
+                bad_words=request.bad_words,
             )
         except (ValueError, TypeError) as e:
             raise bad_request(str(e), guess_param(str(e), type(request).model_fields)) from e

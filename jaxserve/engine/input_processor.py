@@ -72,6 +72,10 @@ class InputProcessor:
                 raise ValueError(
                     f"Requested {name} of {v}, which is greater than max allowed: {self.max_logprobs}"
                 )
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            out_of_vocab = [t for t in ids if t >= self.vocab_size]
+            if out_of_vocab:
+                raise ValueError(f"{name}: token id {out_of_vocab[0]} is out of vocabulary (vocab size {self.vocab_size})")
         if params.structured_outputs is not None:
             if self.structured_output_manager is None:
                 raise ValueError("structured_outputs: this engine has no structured output manager")
@@ -86,6 +90,8 @@ class InputProcessor:
             if extra:
                 params = params.replace(stop_token_ids=params.stop_token_ids + extra)
         params = params.with_eos(set() if params.ignore_eos else self.eos_token_ids)
+        if params.bad_words and not params._bad_words_token_ids:
+            params = params.replace(_bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         n_stop = len(params.all_stop_token_ids)
         if params.min_tokens > 0 and n_stop > MAX_MASKED_STOP_IDS:
             raise ValueError(
@@ -103,3 +109,14 @@ class InputProcessor:
                 f"blocks of {self.block_size} tokens; lower max_tokens or enlarge the cache "
                 "(num_gpu_blocks_override / kv_cache_memory)")
         return params, max_tokens
+
+    def bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as the token sequences it is written with: alone (the start of
+        the text) and after a space (inside it), as vLLM bans them; duplicates dropped."""
+        seqs: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    seqs[ids] = None
+        return tuple(seqs)

@@ -277,13 +277,16 @@ class CompilationManager:
 
     def _abstract_sampler_inputs(self, key: SampleKey | VerifyKey) -> tuple[jax.ShapeDtypeStruct, ...]:
         """The types of a sampler's inputs after the hidden states: (packed buffer, token
-        history [rows, L or 1], grammar bitmask [rows, W]), rows = DP * the request bucket."""
+        history [rows, L or 1], grammar bitmask [rows, W], logit bias ([rows, K] ids, values)), rows = DP * the request bucket."""
         r = self.runner
         rows = r.dp * key.num_reqs
         history = jax.ShapeDtypeStruct((rows, r.input_batch.token_ids.shape[1] if key.use_penalties else 1),
                                        jnp.int32, sharding=r._rows_sharding)
         bitmask = jax.ShapeDtypeStruct((rows, r.input_batch.bitmask_words), jnp.int32, sharding=r._rows_sharding)
-        return r.inputs.abstract_packed(r.inputs.sampler_layout(key)), history, bitmask
+        k = r.input_batch.logit_bias_ids.shape[1]
+        bias = (jax.ShapeDtypeStruct((rows, k), jnp.int32, sharding=r._rows_sharding),
+                jax.ShapeDtypeStruct((rows, k), jnp.float32, sharding=r._rows_sharding))
+        return r.inputs.abstract_packed(r.inputs.sampler_layout(key)), history, bitmask, bias
 
     def _executable_cache(self) -> ExecutableCache | None:
         """The saved-executables cache, next to JAX's persistent cache (None when that is

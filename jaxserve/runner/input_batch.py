@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxserve.sample.metadata import SamplingMetadata
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 if TYPE_CHECKING:
     from jaxserve.lora.request import LoRARequest
@@ -70,6 +70,16 @@ class InputBatch:
         self.stop_ids = np.full((n, MAX_MASKED_STOP_IDS), -1, np.int32)
         self.wants_prompt_logprobs = np.zeros(n, np.bool_)
         self.wants_logprobs = np.zeros(n, np.bool_)
+        # logit_bias: [n, MAX_LOGIT_BIAS] ids (-1: none) and their biases.
+        self.has_logit_bias = np.zeros(n, np.bool_)
+        self.logit_bias_ids = np.full((n, MAX_LOGIT_BIAS), -1, np.int32)
+        self.logit_bias_values = np.zeros((n, MAX_LOGIT_BIAS), np.float32)
+        # Token masks of the rows that have one (allowed_token_ids, single-token bad
+        # words): row -> packed [W] int32, as the grammar bitmask; and the multi-token
+        # bad words, row -> sequences (their last token banned after the rest).
+        self.token_masks: dict[int, np.ndarray] = {}
+        self.bad_word_seqs: dict[int, list[tuple[int, ...]]] = {}
+        self.vocab_size = vocab_size
 
     @property
     def num_reqs(self) -> int:
@@ -107,13 +117,56 @@ class InputBatch:
         self.stop_ids[i, : len(stop)] = stop
         self.wants_prompt_logprobs[i] = sp.prompt_logprobs is not None
         self.wants_logprobs[i] = sp.logprobs is not None
+        self._set_token_controls(i, sp)
         return i
+
+    def _set_token_controls(self, i: int, sp: SamplingParams) -> None:
+        """Row i's logit_bias, allowed_token_ids and bad_words (SamplingParams)."""
+        bias = sp.logit_bias or {}
+        self.has_logit_bias[i] = bool(bias)
+        self.logit_bias_ids[i] = -1
+        self.logit_bias_values[i] = 0.0
+        self.logit_bias_ids[i, :len(bias)] = list(bias)
+        self.logit_bias_values[i, :len(bias)] = list(bias.values())
+        self.token_masks.pop(i, None)
+        self.bad_word_seqs.pop(i, None)
+        if not sp.has_token_mask:
+            return
+        allowed = np.ones(self.vocab_size, np.bool_)
+        if sp.allowed_token_ids is not None:
+            allowed[:] = False
+            allowed[sp.allowed_token_ids] = True
+        single = [seq[0] for seq in sp._bad_words_token_ids if len(seq) == 1]
+        allowed[single] = False
+        self.token_masks[i] = pack_token_mask(allowed, self.bitmask_words)
+        multi = [seq for seq in sp._bad_words_token_ids if len(seq) > 1]
+        if multi:
+            self.bad_word_seqs[i] = multi
+
+    def token_mask(self, i: int) -> np.ndarray | None:
+        """Row i's packed [W] mask for its next token, None when it has none: its static
+        mask, less the last token of every multi-token bad word whose other tokens end
+        its output so far."""
+        mask = self.token_masks.get(i)
+        seqs = self.bad_word_seqs.get(i)
+        if not seqs:
+            return mask
+        out = self.token_ids[i, self.num_prompt_tokens[i]:self.num_tokens[i]]
+        bits = (mask if mask is not None else np.full(self.bitmask_words, -1, np.int32)).view(np.uint32).copy()
+        for seq in seqs:
+            head = seq[:-1]
+            if len(out) >= len(head) and tuple(out[len(out) - len(head):].tolist()) == head:
+                bits[seq[-1] // 32] &= ~np.uint32(1 << (seq[-1] % 32))
+        return bits.view(np.int32)
 
     def remove_request(self, req_id: str) -> int | None:
         i = self.req_id_to_index.pop(req_id, None)
         if i is None:
             return None
         self.req_ids[i] = None
+        self.token_masks.pop(i, None)
+        self.bad_word_seqs.pop(i, None)
+        self.has_logit_bias[i] = False
         self._free_slots.append(i)
         return i
 
@@ -183,3 +236,12 @@ class InputBatch:
             or np.any(self.frequency_penalty[rows] != 0)
             or np.any(self.repetition_penalty[rows] != 1)
         )
+
+
+def pack_token_mask(allowed: np.ndarray, words: int) -> np.ndarray:
+    """[V] bool -> [words] int32, the grammar bitmask's packing (bit t % 32 of word
+    t // 32 set = token t allowed; the bits past V set)."""
+    bits = np.ones(words * 32, np.bool_)
+    bits[:len(allowed)] = allowed
+    packed = np.packbits(bits.reshape(words, 32), axis=1, bitorder="little")  # [W, 4] uint8
+    return packed.view("<u4").reshape(words).view(np.int32)

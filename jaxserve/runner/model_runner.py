@@ -316,14 +316,16 @@ class ModelRunner:
         """Where the model step's inputs of token bucket ``t`` sit in its packed buffer."""
         return self.inputs.model_layout(t)
 
-    def _unused_wide_inputs(self, rows: int) -> tuple[jax.Array, jax.Array]:
-        """(token history [rows, 1] zeros, grammar bitmask [rows, W] all ones) on the
-        device, made once: a step without penalties or grammars sends neither (the
-        bitmask alone is 1.5 MB at 256 rows)."""
+    def _unused_wide_inputs(self, rows: int) -> tuple:
+        """(token history [rows, 1] zeros, grammar bitmask [rows, W] all ones, logit bias
+        ([rows, K] ids -1, [rows, K] zeros)) on the device, made once: a step without
+        penalties, grammars or biases sends none of them (the bitmask alone is 1.5 MB at 256 rows)."""
         wide = self._unused_wide.get(rows)
         if wide is None:
+            k = self.input_batch.logit_bias_ids.shape[1]
             wide = self._unused_wide[rows] = self._put((
-                np.zeros((rows, 1), np.int32), np.full((rows, self.input_batch.bitmask_words), -1, np.int32)))
+                np.zeros((rows, 1), np.int32), np.full((rows, self.input_batch.bitmask_words), -1, np.int32),
+                (np.full((rows, k), -1, np.int32), np.zeros((rows, k), np.float32))))
         return wide
 
     def _put_packed(self, *buffers: np.ndarray) -> tuple[jax.Array, ...]:
@@ -447,13 +449,13 @@ class ModelRunner:
         if self.pooler is not None:
             return self._dispatch_pooling(step)
         model_buffer, sampler_buffer = self._put_packed(step.model_buffer, step.sampler_buffer)
-        history, bitmask = self._unused_wide_inputs(self.dp * step.sample_key.num_reqs)
-        if step.token_history is not None or step.grammar_bitmask is not None:
-            history, bitmask = (x if h is None else self._put(h) for x, h in
-                                ((history, step.token_history), (bitmask, step.grammar_bitmask)))
+        history, bitmask, bias = self._unused_wide_inputs(self.dp * step.sample_key.num_reqs)
+        if step.token_history is not None or step.grammar_bitmask is not None or step.logit_bias is not None:
+            history, bitmask, bias = (x if h is None else self._put(h) for x, h in (
+                (history, step.token_history), (bitmask, step.grammar_bitmask), (bias, step.logit_bias)))
         hidden, hidden_last, self.kv_cache = self._run(step.model_key, self.state, self.kv_cache, model_buffer,
                                                        self.lora.buffers if self.lora is not None else None)
-        sampled = self._run(step.sample_key, self.state, hidden_last, sampler_buffer, history, bitmask)
+        sampled = self._run(step.sample_key, self.state, hidden_last, sampler_buffer, history, bitmask, bias)
         prompt_lp = None
         if step.prompt_logprobs:
             prompt_lp = self._run(PromptLogprobsKey(step.model_key.num_tokens), self.state, hidden, model_buffer)

@@ -88,10 +88,12 @@ def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, r
         ranks' slices (the buffer itself comes in replicated)."""
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, rows_sharding), layout.unpack(packed))
 
-    def sampling_metadata(layout, packed, history, bitmask):
-        """(SamplingMetadata, the rest of the packed sampler inputs)."""
+    def sampling_metadata(layout, packed, history, bitmask, bias):
+        """(SamplingMetadata, the rest of the packed sampler inputs); ``bias``: the
+        logit_bias (ids [rows, K], values [rows, K])."""
         smd, extra = unpack(layout, packed)
-        return dataclasses.replace(smd, token_history=history, allowed_token_bitmask=bitmask), extra
+        return dataclasses.replace(smd, token_history=history, allowed_token_bitmask=bitmask,
+                                   logit_bias_ids=bias[0], logit_bias_values=bias[1]), extra
 
     def model_step(state, kv_cache, packed, lora_buffers, *, layout):
         """lora_buffers: None, or the adapters' slots (jaxserve/lora/manager.py)."""
@@ -107,16 +109,17 @@ def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, r
         last = jnp.take_along_axis(by_rank, logits_indices.reshape(dp, -1, 1), axis=1)
         return hidden, last.reshape(-1, hidden.shape[-1]), kv_cache
 
-    def sample_step(state, hidden_last, packed, history, bitmask, *, layout, num_reqs, use_penalties):
+    def sample_step(state, hidden_last, packed, history, bitmask, bias, *, layout, num_reqs, use_penalties):
         """flags: [DP*2], (greedy_only, plain) of the whole step once per rank."""
-        smd, (flags,) = sampling_metadata(layout, packed, history, bitmask)
+        smd, (flags,) = sampling_metadata(layout, packed, history, bitmask, bias)
         model, hidden = nnx.merge(graphdef, state), per_rank_rows(hidden_last, num_reqs)
         flags = flags.reshape(dp, 2) != 0
         return sample_from(lambda: model.compute_logits(hidden), smd, greedy_only=jnp.all(flags[:, 0]),
                            use_penalties=use_penalties, num_logprobs=max_logprobs, plain=jnp.all(flags[:, 1]))
 
-    def verify_step(state, hidden_last, packed, history, bitmask, *, layout, num_reqs, greedy_only, use_penalties):
-        smd, (draft_token_ids, num_draft_tokens) = sampling_metadata(layout, packed, history, bitmask)
+    def verify_step(state, hidden_last, packed, history, bitmask, bias, *, layout, num_reqs, greedy_only,
+                    use_penalties):
+        smd, (draft_token_ids, num_draft_tokens) = sampling_metadata(layout, packed, history, bitmask, bias)
         logits = nnx.merge(graphdef, state).compute_logits(per_rank_rows(hidden_last, num_reqs, all_positions=True))
         return rejection_sample(logits, draft_token_ids, num_draft_tokens, smd, greedy_only=greedy_only,
                                 use_penalties=use_penalties, num_logprobs=max_logprobs)

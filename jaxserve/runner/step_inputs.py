@@ -54,7 +54,9 @@ class PreparedStep:
     # (-1 padded) and their counts [DP*Rb]
     sampler_buffer: np.ndarray
     token_history: np.ndarray | None  # [DP*Rb, L] int32 with penalties, else None
-    grammar_bitmask: np.ndarray | None  # [DP*Rb, W] int32 when a row is constrained, else None
+    # [DP*Rb, W] int32 when a row is constrained (a grammar, allowed_token_ids, bad_words), else None
+    grammar_bitmask: np.ndarray | None
+    logit_bias: tuple[np.ndarray, np.ndarray] | None  # ([DP*Rb, K] ids, -1 none; [DP*Rb, K] f32) or None
     prompt_logprobs: bool  # some row returns prompt logprobs: run their program
 
 
@@ -97,10 +99,15 @@ class StepInputBuilder:
                 for ib, ids in zip(self.input_batches, ranks)]
         greedy = all(ib.is_greedy(r) for ib, r in zip(self.input_batches, rows))
         use_penalties = any(ib.uses_penalties(r) for ib, r in zip(self.input_batches, rows))
+        # Rows with a token mask of their own (allowed_token_ids, bad_words) use the bitmask as grammars do.
+        token_masked = any(ib.token_masks and any(int(i) in ib.token_masks for i in r)
+                           for ib, r in zip(self.input_batches, rows))
         plain = not any(ib.wants_logprobs[r].any() for ib, r in zip(self.input_batches, rows)) and \
-            all(so.grammar_bitmask is None for so in outputs)
+            all(so.grammar_bitmask is None for so in outputs) and not token_masked
         rank_steps, smds, any_prompt_logprobs = [], [], False
-        grammar = any(so.grammar_bitmask is not None for so in outputs)
+        grammar = token_masked or any(so.grammar_bitmask is not None for so in outputs)
+        biased = any(ib.has_logit_bias[r].any() for ib, r in zip(self.input_batches, rows))
+        bias_rows = []
         bitmask = np.full((self.dp * r_pad, self.input_batches[0].bitmask_words), -1, np.int32) if grammar else None
         s = self.rows_per_req
         verify = any(so.scheduled_spec_decode_tokens for so in outputs)
@@ -138,6 +145,13 @@ class StepInputBuilder:
                 at = np.fromiter((index[r] for r in so.structured_output_request_ids), np.int64,
                                  len(so.structured_output_request_ids))
                 bitmask[rank * r_pad + at] = so.grammar_bitmask
+            if token_masked:  # on top of any grammar's
+                for i, row in enumerate(rws):
+                    mask = ib.token_mask(int(row)) if int(row) in ib.token_masks else None
+                    if mask is not None:
+                        bitmask[rank * r_pad + i] &= mask
+            if biased:
+                bias_rows.append((ib, prow))
         smd = smds[0] if self.dp == 1 else jax.tree.map(lambda *xs: np.concatenate(xs), *smds)
         # Verification keeps its logprobs (one program set; drafts are a minority case).
         sample_key = VerifyKey(r_pad, greedy, use_penalties) if verify else SampleKey(r_pad, use_penalties)
@@ -146,7 +160,9 @@ class StepInputBuilder:
         return PreparedStep(
             ranks=rank_steps, model_key=ModelStepKey(t_pad), model_buffer=model_buffer, sample_key=sample_key,
             sampler_buffer=sampler_buffer, token_history=smd.token_history if use_penalties else None,
-            grammar_bitmask=bitmask, prompt_logprobs=any_prompt_logprobs)
+            grammar_bitmask=bitmask, prompt_logprobs=any_prompt_logprobs,
+            logit_bias=(np.concatenate([ib.logit_bias_ids[r] for ib, r in bias_rows]),
+                        np.concatenate([ib.logit_bias_values[r] for ib, r in bias_rows])) if biased else None)
 
     def _prepare_rank(self, so, ib: InputBatch, req_ids, rows, input_ids, positions, slot_mapping, seq_lens, cu,
                       block_tables, logits_indices) -> tuple[RankStep, np.ndarray | None]:

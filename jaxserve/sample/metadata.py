@@ -25,3 +25,6 @@ class SamplingMetadata:
     # Packed grammar masks (structured outputs): bit t of word t // 32 set = token t
     # allowed; all ones (-1) for unconstrained rows.
     allowed_token_bitmask: jax.Array  # [R, ceil(V/32)] int32
+    # logit_bias: [R, K] token ids (-1 = none) and the biases added to their logits [R, K] f32.
+    logit_bias_ids: jax.Array | None = None
+    logit_bias_values: jax.Array | None = None

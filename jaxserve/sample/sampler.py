@@ -41,6 +41,21 @@ def apply_min_tokens(logits, md: SamplingMetadata):
     return jnp.where(banned, _NEG_INF, logits)
 
 
+def apply_logit_bias(logits, md: SamplingMetadata):
+    """Adds each row's logit_bias (``logit_bias_ids`` [R, K], -1 = none) to its logits.
+    A scatter into [R, V] copies the logits, so it runs only when some row has a bias
+    (md without the arrays, as some callers build it: unchanged)."""
+    if md.logit_bias_ids is None:
+        return logits
+    r, v = logits.shape
+    ids = jnp.where(md.logit_bias_ids >= 0, md.logit_bias_ids, v)  # out of range: dropped
+
+    def add():
+        return logits.at[jnp.arange(r)[:, None], ids].add(md.logit_bias_values, mode="drop")
+
+    return jax.lax.cond(jnp.any(md.logit_bias_ids >= 0), add, lambda: logits)
+
+
 def apply_penalties(logits, md: SamplingMetadata):
     """Presence / frequency on output tokens; repetition on prompt and output tokens."""
     r, v = logits.shape
@@ -201,10 +216,11 @@ def inverse_cdf_draw(weights, u):
 
 
 def process_logits(logits, md: SamplingMetadata, *, use_penalties: bool, grammar: bool = True):
-    """The steps before any draw, in vLLM's order -> (raw: grammar-masked logits, whose
-    log-softmax the logprobs report; processed: with min_tokens bans and penalties)."""
+    """The steps before any draw, in vLLM's order -> (raw: logits masked by the grammar
+    and the token controls (allowed_token_ids, bad_words), whose log-softmax the logprobs
+    report; processed: with logit_bias, min_tokens bans and penalties)."""
     raw = apply_grammar_bitmask(logits, md.allowed_token_bitmask) if grammar else logits
-    logits = apply_min_tokens(raw, md)
+    logits = apply_min_tokens(apply_logit_bias(raw, md), md)
     if use_penalties:
         logits = apply_penalties(logits, md)
     return raw, logits
@@ -299,4 +315,6 @@ def sample_from(logits_fn, md: SamplingMetadata, *, greedy_only, use_penalties: 
         return sampled, *_placeholders(sampled, width)
 
     no_bans = ~jnp.any(md.stop_ids_masked >= 0)
+    if md.logit_bias_ids is not None:
+        no_bans = no_bans & ~jnp.any(md.logit_bias_ids >= 0)
     return jax.lax.cond(jnp.logical_and(jnp.logical_and(greedy_only, plain), no_bans), fast, general)

@@ -298,3 +298,49 @@ def test_sample_from_fast_path_matches_sample():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     banned = f(logits, cases[1][0], jnp.asarray(True), jnp.asarray(True))[0]
     assert int(banned[0]) != top
+
+
+def test_logit_bias_adds_exactly_the_bias():  # SA-06
+    from jaxserve.sample.sampler import apply_logit_bias
+
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(3, V)), jnp.float32)
+    ids = np.array([[5, 63, -1], [-1, -1, -1], [0, -1, -1]], np.int32)
+    vals = np.array([[2.5, -100, 7], [9, 9, 9], [100, 0, 0]], np.float32)
+    out = np.asarray(apply_logit_bias(logits, md(3, logit_bias_ids=ids, logit_bias_values=vals)))
+    want = np.asarray(logits).copy()
+    want[0, 5] += 2.5
+    want[0, 63] -= 100
+    want[2, 0] += 100
+    np.testing.assert_array_equal(out, want)
+    # No row biased: the logits as they came (and md without the arrays too).
+    none = md(3, logit_bias_ids=np.full((3, 3), -1, np.int32), logit_bias_values=vals)
+    np.testing.assert_array_equal(np.asarray(apply_logit_bias(logits, none)), np.asarray(logits))
+    assert apply_logit_bias(logits, md(3)) is logits
+    # A +100 bias decides a greedy draw, on the fast path's step too.
+    tokens = sample_from(lambda: logits, md(3, temperature=np.zeros(3, np.float32), logit_bias_ids=ids,
+                                            logit_bias_values=vals),
+                         greedy_only=True, use_penalties=False, num_logprobs=0, plain=True)[0]
+    assert int(tokens[2]) == 0
+
+
+def test_token_mask_packing_and_bad_word_tails():  # SA-07, SA-08
+    from jaxserve.runner.input_batch import CachedRequestState, InputBatch, pack_token_mask
+    from jaxserve.sampling_params import SamplingParams
+
+    allowed = np.zeros(V, np.bool_)
+    allowed[[0, 7, 31, 32, 63]] = True
+    np.testing.assert_array_equal(pack_token_mask(allowed, 2), _pack([[0, 7, 31, 32, 63]])[0])
+    ib = InputBatch(2, 32, 4, V)
+    sp = SamplingParams(allowed_token_ids=[3, 4, 5, 9]).replace(_bad_words_token_ids=((4,), (5, 9)))
+    i = ib.add_request(CachedRequestState("r", [1, 2], sp, 0), 0, ([0],))
+
+    def allowed_now():
+        bits = ib.token_mask(i).view(np.uint32)
+        return [t for t in range(V) if (bits[t // 32] >> np.uint32(t % 32)) & 1]
+
+    assert allowed_now() == [3, 5, 9]  # 4 banned always; 9 only after a 5
+    ib.token_ids[i, 2] = 5
+    ib.num_tokens[i] = 3
+    assert allowed_now() == [3, 5]
+    ib.remove_request("r")
+    assert not ib.token_masks and not ib.bad_word_seqs

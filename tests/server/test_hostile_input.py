@@ -228,7 +228,7 @@ def _cases() -> dict[str, list[Case]]:
         Case("empty prompt list", CMPL, cmpl(prompt=[]), param="prompt"),
         Case("too many messages", CHAT, chat(messages=many_messages), param="messages"),
         Case("too many tools", CHAT, chat(tools=[TOOL] * (MAX_TOOLS + 1)), param="tools"),
-        Case("logit_bias unsupported", CMPL, cmpl(logit_bias={"5": 1.0}), param="logit_bias"),
+        Case("logit_bias key not an id", CMPL, cmpl(logit_bias={"five": 1.0}), param="logit_bias"),
         Case("suffix unsupported", CMPL, cmpl(suffix="x"), param="suffix"),
         Case("temperature 3", CMPL, cmpl(temperature=3), param="temperature"),
         Case("top_p 0", CMPL, cmpl(top_p=0), param="top_p"),

@@ -463,7 +463,13 @@ def _error(r, status: int, param: str | None = None, contains: str | None = None
     ({"stop": [""]}, "stop", None),
     ({"best_of": 3}, "best_of", None),
     ({"suffix": "w9"}, "suffix", None),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias", None),
+    ({"logit_bias": {"-5": 1}}, "logit_bias", "non-negative"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias", "out of vocabulary"),
+    ({"logit_bias": {"w5": 1}}, "logit_bias", "integer token ids"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "at most 300"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "non-empty"),
+    ({"allowed_token_ids": [5, 999999]}, "allowed_token_ids", "out of vocabulary"),
+    ({"bad_words": [" "]}, "bad_words", "non-empty"),
     ({"temperature": "hot"}, "temperature", None),
 ])
 def test_completion_400s(http, body, param, contains):
@@ -717,3 +723,19 @@ def test_bench_serving_client(server):
     assert result["total_output_tokens"] == 30 and result["total_input_tokens"] == 6 * 12
     assert result["mean_ttft_ms"] > 0 and result["mean_tpot_ms"] > 0 and result["output_throughput"] > 0
     assert_engine_idle(server)
+
+
+def test_token_controls_over_http(client):
+    """logit_bias (OpenAI's field; string token ids), allowed_token_ids and bad_words
+    (vLLM's, as extra_body) change greedy outputs as they must."""
+    base = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, extra_body=NO_EOS)
+    plain = client.completions.create(**base).choices[0].text.split()
+    forced = client.completions.create(**base | {"logit_bias": {"9": 1e6}}).choices[0].text  # clamped to 100
+    assert forced.split() == ["w9"] * 8
+    allowed = client.completions.create(**base | {"extra_body": NO_EOS | {"allowed_token_ids": [11, 12]}})
+    assert set(allowed.choices[0].text.split()) <= {"w11", "w12"}
+    banned = client.completions.create(**base | {"extra_body": NO_EOS | {"bad_words": [plain[0]]}}).choices[0].text
+    assert plain[0] not in banned.split() and banned.split() != plain
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=4,
+                                          temperature=0, logit_bias={"13": 100}, extra_body=NO_EOS)
+    assert chat.choices[0].message.content.split() == ["w13"] * 4

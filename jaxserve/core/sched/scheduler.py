@@ -601,10 +601,12 @@ class Scheduler:
         """Drafts are verified exactly only where every position samples like the first:
         not for a constrained request (its grammar advances token by token), one with
         penalties (they depend on the drafts before each position), or one still held
-        below min_tokens (its stop-token mask may lift inside the run); nor where
-        speculation has not paid (min_acceptance)."""
+        below min_tokens (its stop-token mask may lift inside the run), or one with bad
+        words (a multi-token word's ban depends on the tokens before each position); nor
+        where speculation has not paid (min_acceptance). logit_bias and allowed_token_ids
+        are the same at every position: verified exactly."""
         sp = request.sampling_params
-        return not (request.spec_disabled or request.structured_output_request is not None
+        return not (request.spec_disabled or request.structured_output_request is not None or sp.bad_words
                     or request.num_output_tokens < sp.min_tokens or sp.presence_penalty != 0
                     or sp.frequency_penalty != 0 or sp.repetition_penalty != 1)
 
