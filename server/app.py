@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -10,6 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -183,6 +185,16 @@ def tokenizer_info(tokenizer, chat_template: str | None) -> dict[str, Any]:
     return config
 
 
+@dataclasses.dataclass(frozen=True)
+class CORSSettings:
+    """--allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials (vLLM's defaults)."""
+
+    allowed_origins: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
 def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | None = None,
               max_model_len: int | None = None, enable_prompt_tokens_details: bool = False,
               disable_log_requests: bool = True,
@@ -190,7 +202,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None, chat_template: str | None = None,
               enable_tokenizer_info_endpoint: bool = False, limits: ServerLimits | None = None,
-              enable_weight_updates: bool = False, lora_modules: list | None = None) -> FastAPI:
+              enable_weight_updates: bool = False, lora_modules: list | None = None,
+              cors: CORSSettings | None = None, root_path: str = "", disable_fastapi_docs: bool = False) -> FastAPI:
     """An OpenAI-compatible app over ``async_llm``. With ``api_key``, every /v1 route
     needs ``Authorization: Bearer <api_key>`` (HTTP 401 otherwise). Sampling fields a
     request leaves out come from ``default_sampling_params`` (default: the model's
@@ -204,7 +217,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
     --trust-request-chat-template. ``enable_weight_updates`` (or VLLM_SERVER_DEV_MODE=1):
     the research loop's routes (server/weight_routes.py). ``lora_modules``
     (server/lora_routes.py LoRAModulePath): adapters served from the start (needs an
-    engine with LoRA on); VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 adds the load / unload routes."""
+    engine with LoRA on); VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 adds the load / unload routes.
+    ``cors``: the CORS policy (vLLM's default: any origin, method and header, no
+    credentials); ``root_path``: the path prefix a proxy serves the app under;
+    ``disable_fastapi_docs``: no /docs, /redoc or /openapi.json."""
     max_model_len = max_model_len or async_llm.max_model_len
     if default_sampling_params is None:
         default_sampling_params = async_llm.model_config.get_diff_sampling_param()
@@ -227,7 +243,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
         lora_registry.load_at_start(lora_modules or [])
     elif lora_modules:
         raise ValueError("--lora-modules needs --enable-lora")
-    app = FastAPI(title="jaxserve", version=jaxserve.__version__)
+    docs = dict(openapi_url=None, docs_url=None, redoc_url=None) if disable_fastapi_docs else {}
+    app = FastAPI(title="jaxserve", version=jaxserve.__version__, root_path=root_path, **docs)
     install_draining(app)  # 503 on /v1 once a graceful shutdown began (server/lifecycle.py)
     kwargs = {"max_model_len": max_model_len, "enable_prompt_tokens_details": enable_prompt_tokens_details,
               "default_sampling_params": default_sampling_params, "chat_template": chat_template,
@@ -378,7 +395,12 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
     if lora_registry is not None and runtime_lora_updating():
         install_lora_routes(app, lora_registry)
 
-    # Outermost last: HEAD becomes GET before anything else sees it.
+    # Outermost last: HEAD becomes GET before anything else sees it; CORS answers a
+    # browser's preflight (OPTIONS) before authentication, and adds its headers to every answer.
     app.add_middleware(RequestIdHeader)
     app.add_middleware(HeadAsGet)
+    cors = cors or CORSSettings()
+    app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
+                       allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
     return app
+

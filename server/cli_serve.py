@@ -12,7 +12,9 @@ jaxserve/cli.py wires it in::
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import ssl
 import sys
 
 from jaxserve.config import DEFAULT_ITERATION_TIMEOUT_S
@@ -27,6 +29,24 @@ def _tool_parsers() -> list[str]:
     from server.tool_parsers import TOOL_PARSERS
 
     return sorted(TOOL_PARSERS)
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
+    if not (isinstance(value, list) and all(isinstance(x, str) for x in value)):
+        raise argparse.ArgumentTypeError('must be a JSON list of strings, e.g. \'["http://localhost:3000"]\'')
+    return value
+
+
+def ssl_settings(args: argparse.Namespace) -> dict:
+    """uvicorn's TLS keywords from the flags ({} without --ssl-certfile: plain HTTP)."""
+    if not args.ssl_certfile:
+        return {}
+    return dict(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                ssl_cert_reqs=args.ssl_cert_reqs)
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
@@ -89,6 +109,21 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                              "load (a slow event loop) that grows likelier, and a longer timeout avoids it.")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    server.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                        help='CORS: origins allowed, a JSON list (default: \'["*"]\').')
+    server.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS: methods allowed (JSON list).")
+    server.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS: headers allowed (JSON list).")
+    server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth).")
+    server.add_argument("--ssl-keyfile", default=None, help="TLS: the private key file (serves HTTPS).")
+    server.add_argument("--ssl-certfile", default=None, help="TLS: the certificate file.")
+    server.add_argument("--ssl-ca-certs", default=None, help="TLS: CA certificates to verify client certificates with.")
+    server.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
+                        help="TLS: whether client certificates are required (Python's ssl.CERT_*: 0 none, "
+                             "1 optional, 2 required; default: %(default)s).")
+    server.add_argument("--root-path", default="",
+                        help="The path prefix a proxy serves the app under (FastAPI's root_path).")
+    server.add_argument("--disable-fastapi-docs", action="store_true",
+                        help="No /docs, /redoc or /openapi.json.")
     p.set_defaults(func=run_serve)
     return p
 
@@ -96,7 +131,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> None:
     """Build the engine from the flags, warm it up, serve until interrupted."""
     from jaxserve.engine.async_llm import AsyncLLM
-    from server.app import build_app
+    from server.app import CORSSettings, build_app
     from server.lifecycle import serve
 
     try:
@@ -123,9 +158,13 @@ def run_serve(args: argparse.Namespace) -> None:
                     reasoning_parser=config.structured_outputs_config.reasoning_parser,
                     chat_template=args.chat_template,
                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-                    enable_weight_updates=args.enable_weight_updates)
+                    enable_weight_updates=args.enable_weight_updates,
+                    cors=CORSSettings(args.allowed_origins, args.allowed_methods, args.allowed_headers,
+                                      args.allow_credentials),
+                    root_path=args.root_path, disable_fastapi_docs=args.disable_fastapi_docs)
     code = serve(app, async_llm, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                 shutdown_timeout=args.shutdown_timeout, timeout_keep_alive=args.timeout_keep_alive)
+                 shutdown_timeout=args.shutdown_timeout, timeout_keep_alive=args.timeout_keep_alive,
+                 ssl=ssl_settings(args))
     if code:
         raise SystemExit(code)
 

@@ -38,8 +38,9 @@ def install_draining(app: FastAPI) -> None:
 
 def serve(app: FastAPI, async_llm, *, host: str, port: int, log_level: str = "info",
           shutdown_timeout: float = 30.0, timeout_keep_alive: float = 5.0,
-          engine_check_period: float = ENGINE_CHECK_PERIOD_S) -> int:
-    """Run uvicorn until SIGTERM / SIGINT (exit code 0) or the engine's death (1)."""
+          engine_check_period: float = ENGINE_CHECK_PERIOD_S, ssl: dict | None = None) -> int:
+    """Run uvicorn until SIGTERM / SIGINT (exit code 0) or the engine's death (1).
+    ``ssl``: uvicorn's TLS keywords (server/cli_serve.py ssl_settings), HTTPS when given."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -55,7 +56,7 @@ def serve(app: FastAPI, async_llm, *, host: str, port: int, log_level: str = "in
                 captured[:] = [s for s in captured if s != signal.SIGTERM]
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=timeout_keep_alive,
-                            timeout_graceful_shutdown=shutdown_timeout)
+                            timeout_graceful_shutdown=shutdown_timeout, **(ssl or {}))
     server = Server(config)
     exit_code = 0
 
