@@ -24,6 +24,8 @@ from server.limits import ServerLimits
 from server.lora_routes import LoRARegistry, install_lora_routes, runtime_lora_updating
 from server.metrics import PrometheusStatLogger
 from server.middleware import install_limits
+from server.serving_messages import (CountTokensRequest, MessagesRequest, OpenAIServingMessages, anthropic_error)
+from server.serving_messages import parse as parse_messages_body
 from server.protocol import (
     ChatCompletionRequest,
     ClassificationRequest,
@@ -306,7 +308,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
         stream."""
         if is_sleeping():
             raise APIError("The engine is asleep (sleep mode); POST /wake_up first", 503)
-        if pooler is not None and kind in ("completion", "chat"):
+        if pooler is not None and kind in ("completion", "chat", "messages"):
             raise APIError(f"this is a pooling model ({pooler.task}): it does not generate text; use "
                            f"{ROUTES[pooler.task]}", 400)
         if not disable_log_requests:
@@ -343,6 +345,32 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
         return await generate("chat", serving_chat.create_chat_completion, request, raw_request)
+
+    # Anthropic's Messages API (server/serving_messages.py): its own error envelope.
+    serving_messages = OpenAIServingMessages(serving_chat)
+
+    async def anthropic_body(raw_request: Request, model):
+        try:
+            body = await raw_request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(f"The body is not valid JSON: {e}", 400) from None
+        return parse_messages_body(model, body)
+
+    @app.post("/v1/messages")
+    async def messages(raw_request: Request):
+        try:
+            request = await anthropic_body(raw_request, MessagesRequest)
+            return await generate("messages", serving_messages.create_message, request, raw_request)
+        except APIError as e:
+            return anthropic_error(e)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(raw_request: Request):
+        try:
+            return JSONResponse(await serving_messages.count_tokens(
+                await anthropic_body(raw_request, CountTokensRequest)))
+        except APIError as e:
+            return anthropic_error(e)
 
     async def pool(kind: str, create, request, raw_request: Request):
         """A pooling route's body: generate()'s, with ``create(request)``."""

@@ -108,11 +108,14 @@ class LimitsMiddleware:
         return path.startswith("/v1") or (path.rstrip("/") or "/") in PROTECTED_EXTRA_PATHS
 
     def _authorized(self, headers) -> bool:
+        """``Authorization: Bearer <key>``, or Anthropic's ``x-api-key: <key>`` (its SDK's)."""
         value = next((v for k, v in headers if k.lower() == b"authorization"), b"")
+        api_key = next((v for k, v in headers if k.lower() == b"x-api-key"), b"")
         scheme, _, token = value.strip().partition(b" ")
-        # Always hash and compare: the time taken does not depend on what was sent.
-        same = secrets.compare_digest(hashlib.sha256(token.strip()).digest(), self._key_digest)
-        return same and scheme.lower() == b"bearer"
+        # Always hash and compare both: the time taken does not depend on what was sent.
+        bearer = secrets.compare_digest(hashlib.sha256(token.strip()).digest(), self._key_digest)
+        header = secrets.compare_digest(hashlib.sha256(api_key.strip()).digest(), self._key_digest)
+        return (bearer and scheme.lower() == b"bearer") or (header and bool(api_key.strip()))
 
     # ------------------------------------------------------------------ ASGI
     async def __call__(self, scope, receive, send):

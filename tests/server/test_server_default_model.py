@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 
+import anthropic
 import openai
 import pytest
 
@@ -120,3 +122,37 @@ def test_required_tool_call_streamed_and_not(default_server):
         finish = chunk.choices[0].finish_reason or finish
     assert (name, finish) == ("get_weather", "tool_calls")
     assert json.loads(arguments) == args
+
+
+# Anthropic's Messages API (server/serving_messages.py) on a model that writes JSON.
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {"name": "get_weather", "description": "Weather in a city.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def test_anthropic_tool_use_round_trip(default_server):
+    client = anthropic.Anthropic(base_url=default_server.url, api_key="unused", max_retries=0, timeout=120)
+    msg = client.messages.create(model=NAME, max_tokens=64, messages=ASK, tools=[WEATHER],
+                                 tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    calls = [b for b in msg.content if b.type == "tool_use"]
+    assert msg.stop_reason == "tool_use" and calls and calls[0].name == "get_weather"
+    assert isinstance(calls[0].input, dict) and isinstance(calls[0].input.get("city"), str)
+    # The tool's result goes back; the model answers in text.
+    turns = ASK + [{"role": "assistant", "content": [b.model_dump() for b in msg.content]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": calls[0].id,
+                                                  "content": "18 degrees, sunny"}]}]
+    answer = client.messages.create(model=NAME, max_tokens=5, messages=turns, tools=[WEATHER],
+                                    tool_choice={"type": "none"}, extra_body={"temperature": 0})
+    assert answer.content and answer.content[0].type == "text"
+    counted = client.messages.count_tokens(model=NAME, messages=turns, tools=[WEATHER])
+    assert counted.input_tokens == answer.usage.input_tokens
+
+
+def test_anthropic_output_format_json_schema(default_server):
+    client = anthropic.Anthropic(base_url=default_server.url, api_key="unused", max_retries=0, timeout=120)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    msg = client.messages.create(model=NAME, max_tokens=24, messages=ASK,
+                                 output_config={"format": {"type": "json_schema", "schema": schema}},
+                                 extra_body={"temperature": 0})
+    assert isinstance(json.loads(msg.content[0].text)["n"], int)
