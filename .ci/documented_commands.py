@@ -77,16 +77,17 @@ curl -sf -X POST localhost:8000/wake_up
 curl -sf -X POST 'localhost:8000/pause?mode=wait'; curl -sf -X POST localhost:8000/resume
 kill -INT $S; wait $S
 """, 600, r'(?s)"weights_version":1.*"kv_cache":\d+.*"is_sleeping":true.*"is_sleeping":false.*"is_paused":false'),
-    # docs/api.md: the generation routes' examples as written (Messages, count_tokens, token controls).
+    # docs/api.md: the generation routes' examples as written (Responses, Messages, count_tokens, token controls).
     ("api routes", r"""
 .venv/bin/jaxserve serve & S=$!
 for i in $(seq 300); do curl -sf localhost:8000/v1/models >/dev/null && break; sleep 1; done
+curl -sf localhost:8000/v1/responses -H 'Content-Type: application/json' -d '{"input": "Hi", "max_output_tokens": 16}'
 curl -sf localhost:8000/v1/messages -H 'Content-Type: application/json' -d '{"model": "SmolLM2-135M-Instruct", "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}]}'
 curl -sf localhost:8000/v1/messages/count_tokens -H 'Content-Type: application/json' -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 curl -sf localhost:8000/v1/completions -H 'Content-Type: application/json' \
   -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "bad_words": ["Paris"], "logit_bias": {"198": -100}}'
 kill -INT $S; wait $S
-""", 600, r'(?s)"type":"message".*"stop_reason".*"input_tokens":\d+.*"text_completion"'),
+""", 600, r'(?s)"object":"response".*"type":"message".*"stop_reason".*"input_tokens":\d+.*"text_completion"'),
     # docs/lora.md: the offline example (on adapters the benchmark writes), the benchmark
     # at its smallest, and the server example as written.
     ("lora adapters", f"{PY} benchmarks/bench_lora.py --save-adapters /tmp/loras --ranks 8 --lora-counts 2", 300,

@@ -124,7 +124,8 @@ class SamplingParams:
         set_("stop_token_ids", list(self.stop_token_ids or []))
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must be a mapping of token id to bias, got {type(self.logit_bias).__name__}.")
+                raise ValueError("logit_bias must be a mapping of token id to bias, got "
+                                 f"{type(self.logit_bias).__name__}.")
             try:  # JSON object keys are strings ("50256": -100, as OpenAI's clients send them)
                 bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):

@@ -18,14 +18,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxserve
 from jaxserve.engine.async_llm import AsyncLLM
-from server.errors import APIError, engine_dead, internal_error
+from server.errors import APIError, engine_dead, internal_error, parse_body
 from server.lifecycle import install_draining
 from server.limits import ServerLimits
 from server.lora_routes import LoRARegistry, install_lora_routes, runtime_lora_updating
 from server.metrics import PrometheusStatLogger
 from server.middleware import install_limits
-from server.serving_messages import (CountTokensRequest, MessagesRequest, OpenAIServingMessages, anthropic_error)
-from server.serving_messages import parse as parse_messages_body
 from server.protocol import (
     ChatCompletionRequest,
     ClassificationRequest,
@@ -41,7 +39,9 @@ from server.protocol import (
 )
 from server.serving_chat import OpenAIServingChat
 from server.serving_completion import OpenAIServingCompletion
+from server.serving_messages import CountTokensRequest, MessagesRequest, OpenAIServingMessages, anthropic_error
 from server.serving_pooling import ROUTES, OpenAIServingPooling
+from server.serving_responses import OpenAIServingResponses, ResponsesRequest
 from server.serving_tokenization import OpenAIServingTokenization
 from server.tool_parsers import get_tool_parser
 from server.weight_routes import install_weight_routes, weight_updates_enabled
@@ -308,7 +308,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
         stream."""
         if is_sleeping():
             raise APIError("The engine is asleep (sleep mode); POST /wake_up first", 503)
-        if pooler is not None and kind in ("completion", "chat", "messages"):
+        if pooler is not None and kind in ("completion", "chat", "messages", "responses"):
             raise APIError(f"this is a pooling model ({pooler.task}): it does not generate text; use "
                            f"{ROUTES[pooler.task]}", 400)
         if not disable_log_requests:
@@ -346,6 +346,21 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
         return await generate("chat", serving_chat.create_chat_completion, request, raw_request)
 
+    # OpenAI's Responses API (server/serving_responses.py).
+    serving_responses = OpenAIServingResponses(serving_chat)
+
+    @app.post("/v1/responses")
+    async def responses(request: ResponsesRequest, raw_request: Request):
+        return await generate("responses", serving_responses.create_response, request, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return JSONResponse(serving_responses.retrieve(response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return JSONResponse(await serving_responses.cancel(response_id))
+
     # Anthropic's Messages API (server/serving_messages.py): its own error envelope.
     serving_messages = OpenAIServingMessages(serving_chat)
 
@@ -354,7 +369,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
             body = await raw_request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(f"The body is not valid JSON: {e}", 400) from None
-        return parse_messages_body(model, body)
+        return parse_body(model, body)
 
     @app.post("/v1/messages")
     async def messages(raw_request: Request):

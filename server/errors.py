@@ -82,3 +82,16 @@ def guess_param(message: str, fields) -> str | None:
         if word in fields:
             return word
     return None
+
+
+def parse_body(model, body):
+    """A request body validated by the pydantic ``model`` outside FastAPI's own
+    validation (the routes that answer in another envelope); a 400 naming the first bad field."""
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        raise bad_request(f"{loc}: {first.get('msg')}", loc.split(".")[0] or None) from None

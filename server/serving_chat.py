@@ -10,6 +10,7 @@ streamed deltas add up to the non-streamed message.
 """
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -319,3 +320,16 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk(choice, running_usage(j))
         if include_usage:
             yield chunk(None, self.final_usage(num_prompt, sum(num_tokens), cached))
+
+
+async def chat_stream_chunks(sse: AsyncIterator[str]) -> AsyncIterator[dict]:
+    """The chunks of a chat SSE stream (create_chat_completion's) as dicts, for the APIs
+    translated onto chat (server/serving_messages.py, serving_responses.py); an error
+    event is yielded as its {"error": ...} dict; the iterator is closed at the end."""
+    try:
+        async for raw in sse:
+            payload = raw.removeprefix("data: ").strip()
+            if payload and payload != "[DONE]":
+                yield json.loads(payload)
+    finally:
+        await sse.aclose()

@@ -16,11 +16,12 @@ import json
 from typing import Annotated, Any, AsyncIterator, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from server.errors import APIError, bad_request
+from server.errors import APIError, bad_request, parse_body as parse
 from server.limits import MAX_MESSAGES, MAX_TOOLS
 from server.protocol import ChatCompletionRequest, RequestModel, random_uuid
+from server.serving_chat import chat_stream_chunks
 
 # Anthropic's error types by HTTP status (its SDK maps the status, the envelope names it).
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -65,16 +66,6 @@ def anthropic_error(e: APIError) -> JSONResponse:
     """An APIError in Anthropic's envelope, with its status."""
     body = {"type": "error", "error": {"type": _ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
     return JSONResponse(body, status_code=e.status, headers=e.headers)
-
-
-def parse(model, body) -> Any:
-    """A request body validated by ``model``; a 400 naming the first bad field."""
-    try:
-        return model.model_validate(body)
-    except ValidationError as err:
-        first = err.errors()[0]
-        loc = ".".join(str(x) for x in first.get("loc", ()))
-        raise bad_request(f"{loc}: {first.get('msg')}", loc.split(".")[0] or None) from None
 
 
 def _text_of(content, where: str) -> str:
@@ -261,12 +252,9 @@ class OpenAIServingMessages:
             index, block = index + 1, kind
             return out + [event("content_block_start", {"index": index, "content_block": start})]
 
+        stream = chat_stream_chunks(chunks)
         try:
-            async for raw in chunks:
-                payload = raw.removeprefix("data: ").strip()
-                if payload == "[DONE]" or not payload:
-                    continue
-                chunk = json.loads(payload)
+            async for chunk in stream:
                 if "error" in chunk:  # chat's error event, after the status went out
                     err = chunk["error"]
                     yield event("error", {"error": {"type": _ERROR_TYPES.get(err.get("code"), "api_error"),
@@ -314,4 +302,4 @@ class OpenAIServingMessages:
                                           "usage": {"output_tokens": output_tokens}})
             yield event("message_stop", {})
         finally:
-            await chunks.aclose()
+            await stream.aclose()

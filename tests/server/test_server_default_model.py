@@ -156,3 +156,24 @@ def test_anthropic_output_format_json_schema(default_server):
                                  output_config={"format": {"type": "json_schema", "schema": schema}},
                                  extra_body={"temperature": 0})
     assert isinstance(json.loads(msg.content[0].text)["n"], int)
+
+
+# OpenAI's Responses API (server/serving_responses.py) on a model that writes JSON.
+def test_responses_function_call_round_trip_and_json_schema(default_server):
+    client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    tool = {"type": "function", "name": "get_weather", "description": "Weather in a city.",
+            "parameters": WEATHER["input_schema"]}
+    r = client.responses.create(model=NAME, input="What is the weather in Paris?", tools=[tool],
+                                tool_choice="required", temperature=0, max_output_tokens=64)
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and isinstance(json.loads(calls[0].arguments)["city"], str)
+    answer = client.responses.create(model=NAME, tools=[tool], tool_choice="none", temperature=0,
+                                     max_output_tokens=8, input=[
+        {"role": "user", "content": "What is the weather in Paris?"}, calls[0].model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18 degrees, sunny"}])
+    assert answer.output_text
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    r = client.responses.create(model=NAME, input="Pick a number.", temperature=0, max_output_tokens=24,
+                                text={"format": {"type": "json_schema", "name": "pick", "schema": schema}})
+    assert isinstance(json.loads(r.output_text)["n"], int)
