@@ -17,10 +17,14 @@ from server.tool_parsers.base import (
 from server.tool_parsers.forced import JsonArrayToolStreamer, NamedToolStreamer
 from server.tool_parsers.hermes import HermesToolParser
 from server.tool_parsers.llama3_json import Llama3JsonToolParser
+from server.tool_parsers.mistral import MistralToolParser
+from server.tool_parsers.pythonic import PythonicToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
 }
 
 

@@ -416,3 +416,20 @@ def test_build_app_flag_checks(tmp_path):
     engine.tokenizer.apply_chat_template = lambda messages, **kw: seen.setdefault("t", kw["chat_template"]) or "x"
     make_client(engine, chat_template=str(path)).post("/v1/chat/completions", json={"messages": MESSAGES})
     assert seen["t"] == path.read_text()
+
+
+@pytest.mark.parametrize("parser, script", [
+    ("mistral", ['[TOOL_CALLS]get_weather', '{"city": ', '"Paris"}']),
+    ("pythonic", ['[get_weather(ci', 'ty="Paris")]']),
+])
+def test_more_parsers_through_chat(parser, script):
+    """--tool-call-parser mistral / pythonic: the model's calls as tool_calls, whole and streamed."""
+    client = make_client(FakeEngine(script), enable_auto_tool_choice=True, tool_call_parser=parser)
+    body = {"model": "m", "messages": MESSAGES, "tools": TOOLS}
+    msg = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert msg["finish_reason"] == "tool_calls"
+    want = [("get_weather", {"city": "Paris"})]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in msg["message"]["tool_calls"]] == want
+    joined = joined_stream(sse_events(client.post("/v1/chat/completions", json=body | {"stream": True})))
+    assert [(c["name"], json.loads(c["arguments"])) for c in joined["tool_calls"]] == want

@@ -190,7 +190,7 @@ def test_named_function():
 
 # ----------------------------------------------------------------------------- registry, scanner
 def test_registry():
-    assert set(TOOL_PARSERS) >= {"hermes", "llama3_json"}
+    assert set(TOOL_PARSERS) >= {"hermes", "llama3_json", "mistral", "pythonic"}
     with pytest.raises(ValueError, match="hermes"):
         get_tool_parser("nope")
 
@@ -209,3 +209,78 @@ def test_call_scanner_stops_after_the_object():
     used, events = scanner.feed('{"name": "f", "arguments": {"a": 10}} tail')
     assert scanner.done and used == len('{"name": "f", "arguments": {"a": 10}}')
     assert events == [("name", "f"), ("args", "{"), ("args", '"a"'), ("args", ": "), ("args", "10"), ("args", "}")]
+
+
+# ----------------------------------------------------------------------------- mistral
+MISTRAL_CASES = [
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]',
+     [("get_weather", WEATHER)], None),
+    ('[TOOL_CALLS] [{"name": "a", "arguments": ' + json.dumps(NESTED) + '}, {"name": "b", "arguments": {}}]',
+     [("a", NESTED), ("b", {})], None),
+    ('Checking.[TOOL_CALLS]get_weather{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]ping{}',
+     [("get_weather", WEATHER), ("ping", {})], "Checking."),
+    ('[TOOL_CALLS]search[ARGS]' + json.dumps(NESTED, ensure_ascii=False), [("search", NESTED)], None),
+    ('[TOOL_CALLS]f{"s": "a } brace"}\nDone.', [("f", {"s": "a } brace"})], "Done."),
+]
+
+
+@pytest.mark.parametrize("text, calls, content", MISTRAL_CASES)
+def test_mistral_extract_and_stream(text, calls, content):
+    parser = get_tool_parser("mistral")()
+    got = parser.extract_tool_calls(text)
+    assert got.tools_called
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got.tool_calls] == calls
+    assert [c["function"]["arguments"] for c in got.tool_calls] == [dumps(a) for _, a in calls]
+    assert got.content == content
+    check_streaming(parser.streamer, text, got)
+    assert parser.skip_special_tokens(True) is False
+
+
+@pytest.mark.parametrize("text", [
+    "No tools needed.",
+    "[TOOL_CALLS]get_weather{\"city\": Paris}",  # malformed arguments
+    "[TOOL_CALLS]not a call at all",
+    "[TOOL_CALLS][{\"name\": oops}]",
+    "[TOOL_CALLS]f[1, 2]",  # arguments that are not an object
+])
+def test_mistral_malformed_is_content(text):
+    parser = get_tool_parser("mistral")()
+    got = parser.extract_tool_calls(text)
+    assert not got.tools_called and got.content == text
+    check_streaming(parser.streamer, text, got)
+
+
+# ----------------------------------------------------------------------------- pythonic
+PYTHONIC_CASES = [
+    ('[get_weather(city="Paris", unit="celsius")]', [("get_weather", WEATHER)], None),
+    ("<|python_start|>[get_weather(city='Paris', unit='celsius'), ping()]<|python_end|>",
+     [("get_weather", WEATHER), ("ping", {})], None),
+    ('  [search(q="a ] bracket", n=[1, -2.5, True, None], deep={"x": {"y": "é"}})]\nThat is all.',
+     [("search", {"q": "a ] bracket", "n": [1, -2.5, True, None], "deep": {"x": {"y": "é"}}})], "That is all."),
+]
+
+
+@pytest.mark.parametrize("text, calls, content", PYTHONIC_CASES)
+def test_pythonic_extract_and_stream(text, calls, content):
+    parser = get_tool_parser("pythonic")()
+    got = parser.extract_tool_calls(text)
+    assert got.tools_called
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got.tool_calls] == calls
+    assert [c["function"]["arguments"] for c in got.tool_calls] == [dumps(a) for _, a in calls]
+    assert got.content == content
+    check_streaming(parser.streamer, text, got)
+
+
+@pytest.mark.parametrize("text", [
+    "The answer is 4.",
+    "[1, 2, 3]",  # a list, not of calls
+    "[get_weather(city=Paris)]",  # not a literal
+    "[f('positional')]",  # positional arguments
+    "[get_weather(city='Paris'",  # cut off
+    "   ",
+])
+def test_pythonic_malformed_is_content(text):
+    parser = get_tool_parser("pythonic")()
+    got = parser.extract_tool_calls(text)
+    assert not got.tools_called and got.content == text
+    check_streaming(parser.streamer, text, got)
