@@ -256,6 +256,36 @@ class LLM:
             items.append((text, sp, False))
         return self._run(items, use_tqdm=use_tqdm, loras=self._lora_list(len(convs), lora_request))
 
+    def beam_search(self, prompts, params, *, use_tqdm: bool = False, lora_request=None) -> list:
+        """vLLM's beam search (jaxserve/beam_search.py): ``params`` a BeamSearchParams;
+        prompts as in generate(). Returns one BeamSearchOutput per prompt: its best
+        ``beam_width`` sequences, best first (``.tokens`` holds the prompt too, ``.text``
+        their decoding, as vLLM's). Each step is one engine call over all live beams."""
+        from jaxserve.beam_search import BeamSearch, top_logprobs
+
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        width = 2 * params.beam_width
+        if width > self.config.model_config.max_logprobs:
+            raise ValueError(f"beam_width={params.beam_width}: a step asks for 2 * beam_width = {width} logprobs, "
+                             f"above max_logprobs={self.config.model_config.max_logprobs}")
+        processor = self.llm_engine.input_processor
+        ids = [processor.tokenize(p)[1] for p in prompts]
+        search = BeamSearch(ids, params, processor.primary_eos)
+        max_len = self.config.scheduler_config.max_model_len
+        bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
+        while not search.done:
+            outs = self.generate([{"prompt_token_ids": t} for t in search.pending()], search.step_params(),
+                                 use_tqdm=False, lora_request=lora_request)
+            search.advance([top_logprobs(o) for o in outs], max_len=max_len)
+            bar.update(1)
+        bar.close()
+        results = search.results()
+        for result in results:
+            for seq in result.sequences:
+                seq.text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        return results
+
     # ------------------------------------------------------------------ pooling models (docs/pooling.md)
     def encode(self, prompts, pooling_params=None, *, use_tqdm: bool = True,
                truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:

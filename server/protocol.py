@@ -252,6 +252,9 @@ class _SamplingFields(RequestModel):
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None  # accepted and ignored
     request_id: str | None = None  # the response id's suffix (an X-Request-Id header wins)
+    # Beam search (vLLM): n beams, ranked by cumulative logprob / length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 # ----------------------------------------------------------------------------- completions

@@ -202,6 +202,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_stream_options(request)
         # Before the chat template and tokenizing: under overload a 503 should cost little.
         self.check_capacity(request.n or 1)
+        if request.use_beam_search:
+            return await self._beam_search(request, raw_request, lora)
         _, ids, params, mode = self._prepare(request)
         self.check_capacity(params.n)
         shaper = self.output_shaper(mode)
@@ -214,6 +216,20 @@ class OpenAIServingChat(OpenAIServing):
             chunks = self._stream(request, request_id, created, ids, merged, shaper)
             return await sse_stream("chat", request_id, chunks, merged)
         return await self._full(request, request_id, created, ids, merged, shaper)
+
+    async def _beam_search(self, request: ChatCompletionRequest, raw_request, lora) -> ChatCompletionResponse:
+        """use_beam_search: the n best beams as the n choices (plain text: no tool parsing)."""
+        if request.logprobs:
+            raise bad_request("logprobs are not returned with use_beam_search", "logprobs")
+        _, ids, params, _ = self._prepare(request.model_copy(update={"n": 1}))
+        request_id, engine_id = self.request_ids("chatcmpl", request, raw_request)
+        beams = await self.beam_search(ids, request, params.max_tokens, engine_id, lora)
+        choices = [ChatCompletionResponseChoice(index=j, message=ChatMessage(role="assistant", content=seq.text),
+                                                finish_reason=seq.finish_reason) for j, seq in enumerate(beams)]
+        generated = sum(len(seq.output_token_ids) for seq in beams)
+        usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=generated, total_tokens=len(ids) + generated)
+        return ChatCompletionResponse(id=request_id, created=int(time.time()), model=self.model_name(request),
+                                      choices=choices, usage=usage)
 
     # ------------------------------------------------------------------ logprobs
     def _logprobs(self, token_ids: list[int], logprobs: list, k: int) -> ChatCompletionLogProbs:

@@ -95,6 +95,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.best_of is not None and request.best_of != request.n:
             raise bad_request("best_of is not supported; use n.", "best_of")
         self.check_capacity(request.n or 1)  # before tokenizing: under overload a 503 should cost little
+        if request.use_beam_search:
+            return await self._beam_search(request, raw_request, lora)
         inputs = self._prepare(request)
         self.check_capacity(sum(inp.params.n for inp in inputs), "prompt" if len(inputs) > 1 else "n")
         request_id, engine_id = self.request_ids("cmpl", request, raw_request)
@@ -109,6 +111,26 @@ class OpenAIServingCompletion(OpenAIServing):
             chunks = self._stream(request, request_id, created, inputs, merged)
             return await sse_stream("completion", request_id, chunks, merged)
         return await self._full(request, request_id, created, inputs, merged)
+
+    async def _beam_search(self, request: CompletionRequest, raw_request, lora) -> CompletionResponse:
+        """use_beam_search: the n best beams of each prompt as its n choices."""
+        if request.logprobs is not None:
+            raise bad_request("logprobs are not returned with use_beam_search", "logprobs")
+        inputs = self._prepare(request.model_copy(update={"n": 1}))  # tokenized and checked as one sequence
+        request_id, engine_id = self.request_ids("cmpl", request, raw_request)
+        choices, num_generated = [], 0
+        for i, inp in enumerate(inputs):
+            beams = await self.beam_search(inp.token_ids, request, inp.params.max_tokens, f"{engine_id}-{i}", lora)
+            for j, seq in enumerate(beams):
+                num_generated += len(seq.output_token_ids)
+                text = ((inp.text or "") + seq.text) if request.echo else seq.text
+                choices.append(CompletionResponseChoice(index=i * request.n + j, text=text,
+                                                        finish_reason=seq.finish_reason))
+        num_prompt = sum(len(inp.token_ids) for inp in inputs)
+        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                          total_tokens=num_prompt + num_generated)
+        return CompletionResponse(id=request_id, created=int(time.time()), model=self.model_name(request),
+                                  choices=choices, usage=usage)
 
     # ------------------------------------------------------------------ logprobs
     def _logprobs(self, token_ids: list[int], top_logprobs, k: int, initial_text_offset: int) -> CompletionLogProbs:

@@ -111,6 +111,29 @@ class OpenAIServing:
         include_usage = bool(opts and opts.include_usage)
         return include_usage, include_usage and bool(opts.continuous_usage_stats)
 
+    async def beam_search(self, token_ids: list[int], request, max_tokens: int, engine_id: str, lora):
+        """The request's ``n`` best beams (jaxserve/beam_search.py) for one prompt, best first."""
+        from jaxserve.beam_search import BeamSearchParams, beam_search_async
+
+        if request.stream:
+            raise bad_request("use_beam_search does not stream; leave stream off", "stream")
+        width, limit = 2 * request.n, getattr(self.engine_client.model_config, "max_logprobs", 20)
+        if width > limit:
+            raise bad_request(f"n must be at most {limit // 2} with use_beam_search (each step asks for 2 * n "
+                              f"logprobs; max_logprobs={limit})", "n")
+        params = BeamSearchParams(beam_width=request.n, max_tokens=max_tokens, ignore_eos=request.ignore_eos,
+                                  length_penalty=request.length_penalty)
+        try:
+            results = await beam_search_async(
+                self.engine_client, [token_ids], params, eos_token_id=self.engine_client.input_processor.primary_eos,
+                max_len=self.max_model_len, request_id=engine_id, lora_request=lora, priority=request.priority)
+        except ValueError as e:
+            raise bad_request(str(e), guess_param(str(e), type(request).model_fields)) from e
+        sequences = results[0].sequences
+        for seq in sequences:
+            seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=request.skip_special_tokens)
+        return sequences
+
     @staticmethod
     def request_ids(prefix: str, request, raw_request) -> tuple[str, str]:
         """(response id, engine request id). The response id is ``prefix-`` plus the
