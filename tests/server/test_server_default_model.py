@@ -28,6 +28,7 @@ def default_server():
     llm = AsyncLLM.from_engine_args(EngineArgs(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64,
                                                kv_cache_memory=64 << 20), progress=False)
     srv = RunningServer(build_app(llm, NAME))
+    srv.async_llm = llm
     yield srv
     srv.stop()
     llm.shutdown()
@@ -177,3 +178,35 @@ def test_responses_function_call_round_trip_and_json_schema(default_server):
     r = client.responses.create(model=NAME, input="Pick a number.", temperature=0, max_output_tokens=24,
                                 text={"format": {"type": "json_schema", "name": "pick", "schema": schema}})
     assert isinstance(json.loads(r.output_text)["n"], int)
+
+
+def test_openai_agents_sdk_one_tool_agent(default_server):
+    """The OpenAI Agents SDK (over /v1/responses) runs a one-tool agent: tool_choice
+    "required" makes the tiny model call the tool, whose result it then answers from
+    (the SDK resets tool_choice to auto after the call: the hermes parser reads it)."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    calls = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"It is sunny in {city}."
+
+    srv = RunningServer(build_app(default_server.async_llm, NAME, enable_auto_tool_choice=True,
+                                  tool_call_parser="hermes"))
+    try:
+        client = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        agent = Agent(name="weather", instructions="Answer with the tool.", tools=[get_weather],
+                      model=OpenAIResponsesModel(model=NAME, openai_client=client),
+                      model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=64),
+                      reset_tool_choice=True)
+        result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=3))
+    finally:
+        srv.stop()
+    assert calls and isinstance(calls[0], str) and calls[0]
+    assert isinstance(result.final_output, str) and result.final_output
