@@ -18,13 +18,17 @@ class HFReference:
         self.model = (model if model is not None else
                       transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)).eval()
 
-    def greedy(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    def greedy(self, prompt_ids: list[int], max_tokens: int, process=None) -> tuple[list[int], list[float]]:
+        """``process(logits, output so far) -> logits``: applied before each choice (e.g. a
+        sampling control's reference)."""
         torch = self.torch
         ids = list(prompt_ids)
         out, margins = [], []
         with torch.no_grad():
             for _ in range(max_tokens):
                 logits = self.model(torch.tensor([ids])).logits[0, -1].numpy()
+                if process is not None:
+                    logits = process(logits.astype(np.float64), out)
                 top2 = np.sort(logits)[-2:]
                 tok = int(np.argmax(logits))
                 out.append(tok)

@@ -29,9 +29,7 @@ def reference(hf: HFReference, prompt, n, *, bias=None, allowed=None, bad=()):
     """Greedy tokens and top-2 margins with the controls applied to HF's logits: the bias
     added, tokens outside ``allowed`` and banned bad-word tokens at -inf (a multi-token
     sequence's last token where the output so far ends with the rest)."""
-    ids, out, margins = list(prompt), [], []
-    for _ in range(n):
-        logits = hf.logits(ids)[-1].astype(np.float64)
+    def process(logits, out):
         for t, b in (bias or {}).items():
             logits[t] += b
         if allowed is not None:
@@ -41,12 +39,9 @@ def reference(hf: HFReference, prompt, n, *, bias=None, allowed=None, bad=()):
         for seq in bad:
             if len(seq) == 1 or (len(out) >= len(seq) - 1 and out[len(out) - len(seq) + 1:] == list(seq[:-1])):
                 logits[seq[-1]] = -np.inf
-        top2 = np.sort(logits)[-2:]
-        tok = int(np.argmax(logits))
-        out.append(tok)
-        margins.append(float(top2[1] - top2[0]))
-        ids.append(tok)
-    return out, margins
+        return logits
+
+    return hf.greedy(prompt, n, process)
 
 
 def greedy(**kw):

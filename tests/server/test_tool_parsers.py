@@ -53,6 +53,29 @@ def check_streaming(make_streamer, text: str, extracted) -> None:
         assert content == (extracted.content or None), (size, content, extracted.content)
 
 
+def check_parser(name: str, text: str, calls, content) -> None:
+    """``name``'s parser finds ``calls`` ([(name, arguments dict)]) and ``content`` in
+    ``text``, with canonical JSON arguments, whole and streamed."""
+    parser = get_tool_parser(name)()
+    got = parser.extract_tool_calls(text)
+    assert got.tools_called
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got.tool_calls] == calls
+    # arguments are canonical JSON, as vLLM's json.dumps(..., ensure_ascii=False)
+    assert [c["function"]["arguments"] for c in got.tool_calls] == [dumps(a) for _, a in calls]
+    assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in got.tool_calls)
+    assert got.content == content
+    check_streaming(parser.streamer, text, got)
+
+
+def check_no_calls(name: str, text: str, *, stream: bool = True) -> None:
+    """No call in ``text``: all of it is content, whole and streamed."""
+    parser = get_tool_parser(name)()
+    got = parser.extract_tool_calls(text)
+    assert not got.tools_called and got.tool_calls == [] and got.content == text
+    if stream:
+        check_streaming(parser.streamer, text, got)
+
+
 # ----------------------------------------------------------------------------- hermes
 def hermes_call(name, args, pretty=False) -> str:
     body = json.dumps({"name": name, "arguments": args}, indent=2 if pretty else None)
@@ -77,15 +100,7 @@ HERMES_CASES = [
 
 @pytest.mark.parametrize("text, calls, content", HERMES_CASES)
 def test_hermes_extract_and_stream(text, calls, content):
-    parser = get_tool_parser("hermes")()
-    got = parser.extract_tool_calls(text)
-    assert got.tools_called
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got.tool_calls] == calls
-    # arguments are canonical JSON, as vLLM's json.dumps(..., ensure_ascii=False)
-    assert [c["function"]["arguments"] for c in got.tool_calls] == [dumps(a) for _, a in calls]
-    assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in got.tool_calls)
-    assert got.content == content
-    check_streaming(parser.streamer, text, got)
+    check_parser("hermes", text, calls, content)
 
 
 @pytest.mark.parametrize("text", [
@@ -98,11 +113,8 @@ def test_hermes_extract_and_stream(text, calls, content):
     '<tool_call>{"name": "f", "arguments": {"a": 1}',  # cut off mid-call
 ])
 def test_hermes_no_calls_is_content(text):
-    parser = get_tool_parser("hermes")()
-    got = parser.extract_tool_calls(text)
-    assert not got.tools_called and got.tool_calls == [] and got.content == text
-    if "<tool_call>{\"name\": \"f\"" not in text:  # a cut-off call has streamed its name already
-        check_streaming(parser.streamer, text, got)
+    # A cut-off call has streamed its name already: checked whole only.
+    check_no_calls("hermes", text, stream="<tool_call>{\"name\": \"f\"" not in text)
 
 
 def test_hermes_valid_call_then_malformed_one():
@@ -143,13 +155,7 @@ LLAMA_CASES = [
 
 @pytest.mark.parametrize("text, calls, content", LLAMA_CASES)
 def test_llama3_json_extract_and_stream(text, calls, content):
-    parser = get_tool_parser("llama3_json")()
-    got = parser.extract_tool_calls(text)
-    assert got.tools_called
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got.tool_calls] == calls
-    assert [c["function"]["arguments"] for c in got.tool_calls] == [dumps(a) for _, a in calls]
-    assert got.content == content
-    check_streaming(parser.streamer, text, got)
+    check_parser("llama3_json", text, calls, content)
 
 
 @pytest.mark.parametrize("text", [
@@ -161,10 +167,7 @@ def test_llama3_json_extract_and_stream(text, calls, content):
     "   ",
 ])
 def test_llama3_json_no_calls_is_content(text):
-    parser = get_tool_parser("llama3_json")()
-    got = parser.extract_tool_calls(text)
-    assert not got.tools_called and got.content == text
-    check_streaming(parser.streamer, text, got)
+    check_no_calls("llama3_json", text)
 
 
 # ----------------------------------------------------------------------------- tool_choice required / named
@@ -226,14 +229,8 @@ MISTRAL_CASES = [
 
 @pytest.mark.parametrize("text, calls, content", MISTRAL_CASES)
 def test_mistral_extract_and_stream(text, calls, content):
-    parser = get_tool_parser("mistral")()
-    got = parser.extract_tool_calls(text)
-    assert got.tools_called
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got.tool_calls] == calls
-    assert [c["function"]["arguments"] for c in got.tool_calls] == [dumps(a) for _, a in calls]
-    assert got.content == content
-    check_streaming(parser.streamer, text, got)
-    assert parser.skip_special_tokens(True) is False
+    check_parser("mistral", text, calls, content)
+    assert get_tool_parser("mistral")().skip_special_tokens(True) is False
 
 
 @pytest.mark.parametrize("text", [
@@ -244,10 +241,7 @@ def test_mistral_extract_and_stream(text, calls, content):
     "[TOOL_CALLS]f[1, 2]",  # arguments that are not an object
 ])
 def test_mistral_malformed_is_content(text):
-    parser = get_tool_parser("mistral")()
-    got = parser.extract_tool_calls(text)
-    assert not got.tools_called and got.content == text
-    check_streaming(parser.streamer, text, got)
+    check_no_calls("mistral", text)
 
 
 # ----------------------------------------------------------------------------- pythonic
@@ -262,13 +256,7 @@ PYTHONIC_CASES = [
 
 @pytest.mark.parametrize("text, calls, content", PYTHONIC_CASES)
 def test_pythonic_extract_and_stream(text, calls, content):
-    parser = get_tool_parser("pythonic")()
-    got = parser.extract_tool_calls(text)
-    assert got.tools_called
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got.tool_calls] == calls
-    assert [c["function"]["arguments"] for c in got.tool_calls] == [dumps(a) for _, a in calls]
-    assert got.content == content
-    check_streaming(parser.streamer, text, got)
+    check_parser("pythonic", text, calls, content)
 
 
 @pytest.mark.parametrize("text", [
@@ -280,7 +268,4 @@ def test_pythonic_extract_and_stream(text, calls, content):
     "   ",
 ])
 def test_pythonic_malformed_is_content(text):
-    parser = get_tool_parser("pythonic")()
-    got = parser.extract_tool_calls(text)
-    assert not got.tools_called and got.content == text
-    check_streaming(parser.streamer, text, got)
+    check_no_calls("pythonic", text)
