@@ -54,6 +54,8 @@ class ChatOutputMode:
     include_reasoning: bool = True
     # The prompt ended inside the reasoning (a template that opens <think> itself).
     reasoning_opened: bool = False
+    # The request's tools (a parser may type the arguments by their schemas).
+    tools: list[dict[str, Any]] | None = None
 
 
 class ChatOutputShaper:
@@ -69,7 +71,7 @@ class ChatOutputShaper:
     def _tool_streamer(self):
         choice = self.mode.tool_choice
         if choice == "auto":
-            return self.tool_parser.streamer()
+            return self.tool_parser.streamer(self.mode.tools)
         if choice == "required":
             return JsonArrayToolStreamer()
         if choice == "named":
@@ -187,7 +189,7 @@ class OpenAIServingChat(OpenAIServing):
             raise
         mode = ChatOutputMode(tool_choice=tool_choice, function_name=function_name,
                               parallel_tool_calls=request.parallel_tool_calls is not False,
-                              include_reasoning=request.include_reasoning,
+                              include_reasoning=request.include_reasoning, tools=request.tools,
                               reasoning_opened=(self.reasoning_parser is not None
                                                 and self.reasoning_parser.prompt_opens_reasoning(ids)))
         return text, ids, params, mode

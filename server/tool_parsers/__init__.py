@@ -14,17 +14,22 @@ from server.tool_parsers.base import (
     make_tool_call_id,
     tool_call,
 )
+from server.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from server.tool_parsers.forced import JsonArrayToolStreamer, NamedToolStreamer
 from server.tool_parsers.hermes import HermesToolParser
 from server.tool_parsers.llama3_json import Llama3JsonToolParser
 from server.tool_parsers.mistral import MistralToolParser
 from server.tool_parsers.pythonic import PythonicToolParser
+from server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "deepseek_v3": DeepSeekV3ToolParser,
+    "deepseek_v31": DeepSeekV3ToolParser,  # V3.1's form; the same parser reads both
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
 }
 
 

@@ -12,6 +12,7 @@ index join to the call's arguments string.
 """
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,6 +177,24 @@ class ToolStreamer:
             entry = self._deltas.setdefault(call.index, {"index": call.index, "function": {"arguments": ""}})
             entry["function"]["arguments"] += fragment
 
+    def _open_call(self, name: str) -> None:
+        """A call whose name is known, written in a format the JSON scanner does not read:
+        its header goes out now, its arguments through ``_send_arguments``."""
+        self._start_call("")
+        self._scanner = None
+        self._events([("name", name)])
+
+    def _send_arguments(self, fragment: str, *, complete: bool = False) -> None:
+        """More of the open call's canonical arguments text; ``complete`` closes the call."""
+        self._events([("arguments", fragment)])
+        if complete:
+            self.calls[-1].complete = True
+
+    def _send_call(self, name: str, arguments: dict) -> None:
+        """A call known whole: header and canonical JSON arguments in one delta."""
+        self._open_call(name)
+        self._send_arguments(json.dumps(arguments, ensure_ascii=False), complete=True)
+
     def _fail_call(self) -> None:
         """The open call is not a valid call: it and everything after it are content."""
         self.calls[-1].failed = True
@@ -194,16 +213,27 @@ class ToolParser:
     def __init__(self, tokenizer=None) -> None:
         self.tokenizer = tokenizer
 
-    def streamer(self) -> ToolStreamer:
+    def streamer(self, tools: list[dict] | None = None) -> ToolStreamer:
+        """The per-choice state; ``tools``: the request's tools (for formats whose
+        arguments are typed by the schema)."""
         return self.streamer_class()
 
-    def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
-        return self.streamer().extract(text)
+    def extract_tool_calls(self, text: str, tools: list[dict] | None = None) -> ExtractedToolCalls:
+        return self.streamer(tools).extract(text)
 
     def skip_special_tokens(self, skip: bool) -> bool:
         """The request's skip_special_tokens when this parser reads its output (a format
         whose markers are special tokens must see them)."""
         return skip
+
+
+def json_object(text: str) -> dict | None:
+    """``text`` parsed as a JSON object, or None (not JSON, or not an object)."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def partial_prefix_len(text: str, tags: tuple[str, ...]) -> int:

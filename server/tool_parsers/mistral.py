@@ -10,9 +10,7 @@ arguments object closes. A malformed call, and what follows, is content.
 """
 from __future__ import annotations
 
-import json
-
-from server.tool_parsers.base import ToolParser, ToolStreamer, partial_prefix_len
+from server.tool_parsers.base import ToolParser, ToolStreamer, json_object, partial_prefix_len
 
 BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
@@ -119,17 +117,11 @@ class MistralToolStreamer(ToolStreamer):
 
     def _emit_whole(self, name: str, raw_name: str, arguments: str) -> None:
         """A call of the name-then-arguments form, sent whole (canonical JSON arguments)."""
-        try:
-            args = json.loads(arguments)
-        except json.JSONDecodeError:
-            args = None
-        if not isinstance(args, dict):
+        args = json_object(arguments)
+        if args is None:
             self._malformed(raw_name + arguments + self._buf[len(arguments):])
             return
-        self._start_call(self._raw)
-        self._scanner = None
-        self._events([("name", name), ("arguments", json.dumps(args, ensure_ascii=False))])
-        self.calls[-1].complete = True
+        self._send_call(name, args)
 
     def _malformed(self, raw: str) -> None:
         """Not a call: what was consumed for it, and the rest, are content."""

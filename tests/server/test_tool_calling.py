@@ -421,9 +421,16 @@ def test_build_app_flag_checks(tmp_path):
 @pytest.mark.parametrize("parser, script", [
     ("mistral", ['[TOOL_CALLS]get_weather', '{"city": ', '"Paris"}']),
     ("pythonic", ['[get_weather(ci', 'ty="Paris")]']),
+    ("qwen3_coder", ['<tool_call>\n<function=get_we', 'ather>\n<parameter=city>\nPar', 'is\n</parameter>\n',
+                     '</function>\n</tool_call>']),
+    ("deepseek_v3", ['<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n',
+                     '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>']),
+    ("deepseek_v31", ['<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": ',
+                      '"Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>']),
 ])
 def test_more_parsers_through_chat(parser, script):
-    """--tool-call-parser mistral / pythonic: the model's calls as tool_calls, whole and streamed."""
+    """--tool-call-parser mistral / pythonic / qwen3_coder / deepseek: the model's calls as
+    tool_calls, whole and streamed."""
     client = make_client(FakeEngine(script), enable_auto_tool_choice=True, tool_call_parser=parser)
     body = {"model": "m", "messages": MESSAGES, "tools": TOOLS}
     msg = client.post("/v1/chat/completions", json=body).json()["choices"][0]
@@ -433,3 +440,17 @@ def test_more_parsers_through_chat(parser, script):
             for c in msg["message"]["tool_calls"]] == want
     joined = joined_stream(sse_events(client.post("/v1/chat/completions", json=body | {"stream": True})))
     assert [(c["name"], json.loads(c["arguments"])) for c in joined["tool_calls"]] == want
+
+
+def test_qwen3_coder_types_arguments_by_the_request_schema():
+    """The request's tool schema reaches the parser: an integer parameter is a JSON number."""
+    tool = {"type": "function", "function": {"name": "forecast", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+    script = ['<tool_call>\n<function=forecast>\n<parameter=city>\n42\n</parameter>\n',
+              '<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>']
+    client = make_client(FakeEngine(script), enable_auto_tool_choice=True, tool_call_parser="qwen3_coder")
+    body = {"model": "m", "messages": MESSAGES, "tools": [tool]}
+    msg = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "42", "days": 3}
+    joined = joined_stream(sse_events(client.post("/v1/chat/completions", json=body | {"stream": True})))
+    assert json.loads(joined["tool_calls"][0]["arguments"]) == {"city": "42", "days": 3}

@@ -46,31 +46,32 @@ def stream(streamer, text: str, size: int):
 def check_streaming(make_streamer, text: str, extracted) -> None:
     """Streamed in deltas of 1, 3, 7 characters (and whole), the same calls and content."""
     want = [(c["function"]["name"], c["function"]["arguments"]) for c in extracted.tool_calls]
-    for size in (1, 3, 7, max(len(text), 1)):
+    for size in (1, 2, 3, 7, max(len(text), 1)):
         content, calls = stream(make_streamer(), text, size)
         assert [(c["name"], c["arguments"]) for c in calls] == want, size
         assert len({c["id"] for c in calls}) == len(calls)
         assert content == (extracted.content or None), (size, content, extracted.content)
 
 
-def check_parser(name: str, text: str, calls, content) -> None:
+def check_parser(name: str, text: str, calls, content, tools=None) -> None:
     """``name``'s parser finds ``calls`` ([(name, arguments dict)]) and ``content`` in
-    ``text``, with canonical JSON arguments, whole and streamed."""
+    ``text``, with canonical JSON arguments, whole and streamed (``tools``: the request's)."""
     parser = get_tool_parser(name)()
-    got = parser.extract_tool_calls(text)
+    got = parser.extract_tool_calls(text, tools)
     assert got.tools_called
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got.tool_calls] == calls
     # arguments are canonical JSON, as vLLM's json.dumps(..., ensure_ascii=False)
     assert [c["function"]["arguments"] for c in got.tool_calls] == [dumps(a) for _, a in calls]
     assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in got.tool_calls)
     assert got.content == content
-    check_streaming(parser.streamer, text, got)
+    check_streaming(lambda: parser.streamer(tools), text, got)
 
 
-def check_no_calls(name: str, text: str, *, stream: bool = True) -> None:
-    """No call in ``text``: all of it is content, whole and streamed."""
+def check_no_calls(name: str, text: str, *, stream: bool = True, tools=None) -> None:
+    """No call in ``text``: all of it is content, whole and (unless a header went out
+    before the call broke) streamed."""
     parser = get_tool_parser(name)()
-    got = parser.extract_tool_calls(text)
+    got = parser.extract_tool_calls(text, tools)
     assert not got.tools_called and got.tool_calls == [] and got.content == text
     if stream:
         check_streaming(parser.streamer, text, got)
@@ -193,7 +194,8 @@ def test_named_function():
 
 # ----------------------------------------------------------------------------- registry, scanner
 def test_registry():
-    assert set(TOOL_PARSERS) >= {"hermes", "llama3_json", "mistral", "pythonic"}
+    assert set(TOOL_PARSERS) >= {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
+                                 "deepseek_v3", "deepseek_v31"}
     with pytest.raises(ValueError, match="hermes"):
         get_tool_parser("nope")
 
@@ -269,3 +271,119 @@ def test_pythonic_extract_and_stream(text, calls, content):
 ])
 def test_pythonic_malformed_is_content(text):
     check_no_calls("pythonic", text)
+
+
+# ----------------------------------------------------------------------------- qwen3_coder
+def qwen_call(name, params, *, wrap=True, close_params=True) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n" + ("</parameter>\n" if close_params else "")
+                   for k, v in params)
+    call = f"<function={name}>\n{body}</function>"
+    return f"<tool_call>\n{call}\n</tool_call>" if wrap else call
+
+
+QWEN_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "scale": {"type": "number"}, "tags": {"type": "array"}, "opts": {"type": "object"},
+        "note": {"type": ["string", "null"]}}}}},
+    {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}},
+]
+TYPED = qwen_call("get_weather", [("city", "Paris"), ("days", "3"), ("metric", "True"), ("scale", "2.5"),
+                                  ("tags", '["a", "b"]'), ("opts", "{'deep': True}"), ("note", "null"),
+                                  ("extra", "42")])
+QWEN_CASES = [
+    ("I'll check.\n" + qwen_call("get_weather", [("city", "Paris")]), [("get_weather", {"city": "Paris"})],
+     "I'll check."),
+    (TYPED, [("get_weather", {"city": "Paris", "days": 3, "metric": True, "scale": 2.5, "tags": ["a", "b"],
+                              "opts": {"deep": True}, "note": None, "extra": "42"})], None),
+    # a multi-line string value keeps its inner newlines; a value with < in it is text
+    (qwen_call("get_weather", [("city", "line one\n  line <two>")]),
+     [("get_weather", {"city": "line one\n  line <two>"})], None),
+    # two calls, one without parameters; a value that does not parse as its type stays text
+    (qwen_call("ping", []) + "\n" + qwen_call("get_weather", [("days", "three")]),
+     [("ping", {}), ("get_weather", {"days": "three"})], None),
+    # no <tool_call> wrapper, no </parameter> (both tolerated), text after the calls
+    (qwen_call("get_weather", [("city", "Oslo"), ("days", "2")], wrap=False, close_params=False) + "\nDone.",
+     [("get_weather", {"city": "Oslo", "days": 2})], "Done."),
+]
+
+
+@pytest.mark.parametrize("text, calls, content", QWEN_CASES)
+def test_qwen3_coder_extract_and_stream(text, calls, content):
+    check_parser("qwen3_coder", text, calls, content, tools=QWEN_TOOLS)
+    assert get_tool_parser("qwen3_coder")().skip_special_tokens(True) is False
+
+
+def test_qwen3_coder_without_tools_keeps_strings():
+    check_parser("qwen3_coder", qwen_call("f", [("n", "3")]), [("f", {"n": "3"})], None)
+
+
+def test_qwen3_coder_streams_each_parameter():
+    streamer = get_tool_parser("qwen3_coder")().streamer(QWEN_TOOLS)
+    head = streamer.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar")
+    assert head.tool_calls[0]["function"] == {"name": "get_weather", "arguments": ""}
+    first = streamer.feed("is\n</parameter>\n<parameter=days>\n")
+    assert first.tool_calls[0]["function"]["arguments"] == '{"city": "Paris"'
+    last = streamer.feed("4\n</parameter>\n</function>\n</tool_call>", final=True)
+    assert last.tool_calls[0]["function"]["arguments"] == ', "days": 4}'
+
+
+@pytest.mark.parametrize("text, stream", [
+    ("Plain text with a < sign and <tool_call in words", True),
+    ("<tool_call>\nnot a function\n</tool_call>", True),
+    ("<tool_call>\n<function=>\n</function>", True),  # no name
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis", False),  # cut off in a value
+    ("<tool_call>\n<function=get_weather>\nstray text\n</function>", False),
+    ("<tool_call>", True),
+])
+def test_qwen3_coder_malformed_is_content(text, stream):
+    check_no_calls("qwen3_coder", text, stream=stream, tools=QWEN_TOOLS)
+
+
+def test_qwen3_coder_valid_call_then_cut_off_one():
+    text = qwen_call("ping", []) + "\n<tool_call>\n<function=get_weather>\n<parameter=city>\nPa"
+    got = get_tool_parser("qwen3_coder")().extract_tool_calls(text, QWEN_TOOLS)
+    assert [c["function"]["name"] for c in got.tool_calls] == ["ping"]
+    assert got.content == "<tool_call>\n<function=get_weather>\n<parameter=city>\nPa"
+
+
+# ----------------------------------------------------------------------------- deepseek_v3
+B, E = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
+CB, CE, SEP = ("<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>",
+               "<\uff5ctool\u2581sep\uff5c>")
+
+
+def ds_v3(name, args) -> str:
+    return f"{CB}function{SEP}{name}\n```json\n{dumps(args)}\n```{CE}"
+
+
+def ds_v31(name, args) -> str:
+    return f"{CB}{name}{SEP}{dumps(args)}{CE}"
+
+
+DEEPSEEK_CASES = [
+    ("Let me look." + B + ds_v3("get_weather", WEATHER) + E, [("get_weather", WEATHER)], "Let me look."),
+    (B + ds_v3("get_weather", WEATHER) + "\n" + ds_v3("search", NESTED) + E,
+     [("get_weather", WEATHER), ("search", NESTED)], None),
+    (B + ds_v31("get_weather", WEATHER) + ds_v31("ping", {}) + E + " After.",
+     [("get_weather", WEATHER), ("ping", {})], "After."),
+    (B + ds_v31("get_weather", WEATHER)[: -len(CE)], [("get_weather", WEATHER)], None),  # ended at a stop token
+]
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v31"])
+@pytest.mark.parametrize("text, calls, content", DEEPSEEK_CASES)
+def test_deepseek_extract_and_stream(name, text, calls, content):
+    check_parser(name, text, calls, content)
+    assert get_tool_parser(name)().skip_special_tokens(True) is False
+
+
+@pytest.mark.parametrize("text", [
+    "Just an answer.",
+    B + CB + "function" + SEP + "get_weather\n```json\n{\"city\": Paris}\n```" + CE + E,  # bad JSON
+    B + CB + "get_weather" + CE + E,  # no separator
+    B + "stray" + E,
+    B,
+])
+def test_deepseek_malformed_is_content(text):
+    check_no_calls("deepseek_v3", text)
