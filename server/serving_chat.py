@@ -177,6 +177,8 @@ class OpenAIServingChat(OpenAIServing):
         skip_special = None
         if tool_choice == "auto":
             skip_special = self.tool_parser.skip_special_tokens(request.skip_special_tokens)
+        if self.reasoning_parser is not None and self.reasoning_parser.keeps_special_tokens:
+            skip_special = False
         params = self.sampling_params(request, max_tokens=max_tokens, logprobs=logprobs,
                                       prompt_logprobs=request.prompt_logprobs, constraint=constraint,
                                       skip_special_tokens=skip_special)

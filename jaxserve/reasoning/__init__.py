@@ -3,15 +3,20 @@
 Used in two places: the engine (a grammar constraint applies only after the
 reasoning has ended: ``is_reasoning_end`` over token ids) and the server (the text
 before the end tag becomes ``reasoning_content``, streamed too). vLLM's names:
-``--reasoning-parser qwen3|deepseek_r1``.
+``--reasoning-parser qwen3|deepseek_r1|gpt_oss|openai_gptoss|granite``.
 """
 from __future__ import annotations
 
+from jaxserve.reasoning.gpt_oss import GptOssReasoningParser
+from jaxserve.reasoning.granite import GraniteReasoningParser
 from jaxserve.reasoning.think_parser import DeepSeekR1ReasoningParser, Qwen3ReasoningParser, ReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "qwen3": Qwen3ReasoningParser,
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "gpt_oss": GptOssReasoningParser,
+    "openai_gptoss": GptOssReasoningParser,  # vLLM's name
+    "granite": GraniteReasoningParser,
 }
 
 

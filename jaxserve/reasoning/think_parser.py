@@ -27,6 +27,13 @@ class ReasoningParser:
     end_token = "</think>"
     # Without an end tag: is the text reasoning (True) or answer (False)?
     unterminated_is_reasoning = False
+    # The format is written in special tokens: the output must be decoded with them.
+    keeps_special_tokens = False
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """The markers a streamed delta may end inside of (held back until whole)."""
+        return (self.start_token, self.end_token)
 
     def __init__(self, tokenizer) -> None:
         vocab = tokenizer.get_vocab()
@@ -115,7 +122,7 @@ class StreamingReasoning:
         text = self.pending + delta
         self.pending = ""
         if not final:
-            hold = _partial_tag_suffix(text, (self.parser.start_token, self.parser.end_token))
+            hold = _partial_tag_suffix(text, self.parser.tags)
             if hold:
                 text, self.pending = text[:-hold], text[-hold:]
         if not text:

@@ -19,6 +19,7 @@ from server.tool_parsers.forced import JsonArrayToolStreamer, NamedToolStreamer
 from server.tool_parsers.hermes import HermesToolParser
 from server.tool_parsers.llama3_json import Llama3JsonToolParser
 from server.tool_parsers.mistral import MistralToolParser
+from server.tool_parsers.openai import OpenAIToolParser
 from server.tool_parsers.pythonic import PythonicToolParser
 from server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
@@ -28,6 +29,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "openai": OpenAIToolParser,  # GPT-OSS (harmony)
     "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
 }

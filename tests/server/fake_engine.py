@@ -8,6 +8,7 @@ import json
 from types import SimpleNamespace
 
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.reasoning.harmony import TAGS as HARMONY_TAGS
 
 
 class FakeTokenizer:
@@ -18,6 +19,8 @@ class FakeTokenizer:
     def __init__(self) -> None:
         self.init_kwargs = {"model_max_length": 512, "eos_token": "</s>", "tokenizer_object": object()}
         self.vocab = {"<s>": 1, "</s>": 2, "<think>": 3, "</think>": 4, "<tool_call>": 5, "</tool_call>": 6}
+        # OpenAI's harmony tokens (GPT-OSS), above the ids encode() gives words
+        self.vocab |= {tag: 90 + i for i, tag in enumerate(HARMONY_TAGS)}
 
     def get_vocab(self):
         return dict(self.vocab)

@@ -378,6 +378,34 @@ def test_reasoning_then_tool_call():
     assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"city": "Paris"}')]
 
 
+HARMONY = ["<|channel|>analysis<|mess", "age|>The user wants", " the weather.<|end|><|start|>assistant",
+           "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>",
+           '{"city":', ' "Paris"}']  # the output stops before <|call|> (a stop token)
+
+
+def test_gpt_oss_reasoning_and_tool_calls():
+    """--reasoning-parser openai_gptoss --tool-call-parser openai: the analysis channel is the
+    reasoning, the function message a tool call; the special tokens are kept in the text."""
+    engine = FakeEngine(HARMONY, reasoning_parser="openai_gptoss")
+    client = make_client(engine, enable_auto_tool_choice=True, tool_call_parser="openai")
+    choice = post_chat(client, tools=TOOLS).json()["choices"][0]
+    assert engine.seen_params[-1].skip_special_tokens is False
+    msg = choice["message"]
+    assert msg["reasoning_content"] == "The user wants the weather." and msg["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
+        ("get_weather", '{"city": "Paris"}')]
+    assert choice["finish_reason"] == "tool_calls"
+    got = joined_stream(sse_events(post_chat(client, tools=TOOLS, stream=True)))
+    assert got["reasoning_content"] == "The user wants the weather." and got["content"] == ""
+    assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [("get_weather", '{"city": "Paris"}')]
+    # a final answer, without tools: the final channel is the content
+    engine.script = HARMONY[:3] + ["<|channel|>final<|message|>It is ", "sunny."]
+    msg = post_chat(client).json()["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == ("The user wants the weather.", "It is sunny.")
+    got = joined_stream(sse_events(post_chat(client, stream=True)))
+    assert (got["reasoning_content"], got["content"]) == ("The user wants the weather.", "It is sunny.")
+
+
 # ----------------------------------------------------------------------------- small endpoints
 def test_request_id_head_and_tokenizer_info():
     engine = FakeEngine(["ok"])
