@@ -242,6 +242,24 @@ class StructuredOutputsConfig:
                                  f"got {self.reasoning_parser!r}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class ObservabilityConfig:
+    """Request tracing (vLLM's ObservabilityConfig; jaxserve/tracing.py):
+    ``otlp_traces_endpoint`` is the OTLP collector that gets one span per request
+    (None: no tracing)."""
+
+    otlp_traces_endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.otlp_traces_endpoint is not None:
+            from jaxserve.tracing import otel_available, otel_install_hint
+
+            if not self.otlp_traces_endpoint.strip():
+                raise ValueError("otlp_traces_endpoint must be a URL (host:port), got an empty string")
+            if not otel_available():
+                raise ValueError(f"otlp_traces_endpoint needs OpenTelemetry: {otel_install_hint()}")
+
+
 # vLLM's allowed --max-lora-rank values.
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -350,6 +368,7 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative_config: SpeculativeConfig | None = None
     lora_config: LoRAConfig | None = None  # None: LoRA off (--enable-lora turns it on)
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     # Padded sizes the runner compiles for; None: powers of two from the floor up to the max.
     token_buckets: tuple[int, ...] | None = None
     request_buckets: tuple[int, ...] | None = None

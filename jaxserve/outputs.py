@@ -73,6 +73,7 @@ class EngineCoreOutput:
     error: str | None = None
     error_is_client: bool = False  # the request's own fault (see RequestFailedError.client_error)
     pooling_output: np.ndarray | None = None  # a pooling request's pooled output (it has finished)
+    scheduled_time: float | None = None  # time.monotonic() when the request was first scheduled
 
     @property
     def finished(self) -> bool:

@@ -61,7 +61,7 @@ class Request:
         "num_cached_tokens", "num_preemptions", "max_tokens", "block_hashes",
         "_all_token_ids", "_output_token_ids", "_block_hasher", "structured_output_request",
         "spec_token_ids", "num_spec_drafted", "num_spec_accepted", "spec_disabled",
-        "num_output_placeholders", "lora_request",
+        "num_output_placeholders", "lora_request", "scheduled_time",
     )
 
     def __init__(
@@ -94,6 +94,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set when first scheduled
+        self.scheduled_time: float | None = None  # time.monotonic() when first scheduled (tracing)
         self.num_preemptions = 0
         # max_tokens resolved by the input processor (None in params means "rest of the context").
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens

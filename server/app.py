@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxserve
 from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.tracing import trace_headers_of
 from server.errors import APIError, engine_dead, internal_error, parse_body
 from server.lifecycle import install_draining
 from server.limits import ServerLimits
@@ -40,6 +41,7 @@ from server.protocol import (
 from server.serving_chat import OpenAIServingChat
 from server.serving_completion import OpenAIServingCompletion
 from server.serving_messages import CountTokensRequest, MessagesRequest, OpenAIServingMessages, anthropic_error
+from server.serving_engine import TRACE_HEADERS
 from server.serving_pooling import ROUTES, OpenAIServingPooling
 from server.serving_responses import OpenAIServingResponses, ResponsesRequest
 from server.serving_tokenization import OpenAIServingTokenization
@@ -313,6 +315,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, *, api_key: str | Non
                            f"{ROUTES[pooler.task]}", 400)
         if not disable_log_requests:
             logger.info("%s request: %s", kind, request.model_dump_json(exclude_unset=True)[:1000])
+        TRACE_HEADERS.set(trace_headers_of(raw_request.headers))
         return respond(await _with_cancellation(create(request, raw_request), raw_request))
 
     def is_sleeping() -> bool:

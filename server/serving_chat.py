@@ -32,6 +32,7 @@ from server.protocol import (
     UsageInfo,
 )
 from server.serving_engine import (
+    TRACE_HEADERS,
     OpenAIServing,
     clamp_logprob,
     collect_outputs,
@@ -214,7 +215,8 @@ class OpenAIServingChat(OpenAIServing):
         request_id, engine_id = self.request_ids("chatcmpl", request, raw_request)
         created = int(time.time())
         gen = self.engine_client.generate(ids, params, engine_id, priority=request.priority,
-                                          cache_salt=request.cache_salt, lora_request=lora)
+                                          cache_salt=request.cache_salt, lora_request=lora,
+                                          trace_headers=TRACE_HEADERS.get())
         merged = merge_async_iterators(gen)
         if request.stream:
             chunks = self._stream(request, request_id, created, ids, merged, shaper)

@@ -18,6 +18,7 @@ from server.protocol import (
     UsageInfo,
 )
 from server.serving_engine import (
+    TRACE_HEADERS,
     OpenAIServing,
     clamp_logprob,
     collect_outputs,
@@ -103,7 +104,8 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         generators = [
             self.engine_client.generate(inp.token_ids, inp.params, f"{engine_id}-{i}", priority=request.priority,
-                                        cache_salt=request.cache_salt, lora_request=lora)
+                                        cache_salt=request.cache_salt, lora_request=lora,
+                                        trace_headers=TRACE_HEADERS.get())
             for i, inp in enumerate(inputs)
         ]
         merged = merge_async_iterators(*generators)

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextvars import ContextVar
 from typing import Any
 
 from jaxserve.engine.async_llm import AsyncLLM
@@ -26,6 +27,10 @@ from server.protocol import UsageInfo, random_uuid
 from server.structured import Constraint
 
 logger = logging.getLogger("jaxserve.server")
+
+# The W3C trace context (traceparent / tracestate) of the HTTP request being served: set
+# by the route (server/app.py), read where a handler hands a request to the engine.
+TRACE_HEADERS: ContextVar[dict[str, str] | None] = ContextVar("jaxserve_trace_headers", default=None)
 
 # JSON has no -inf: vLLM clamps logprobs to this.
 MIN_LOGPROB = -9999.0

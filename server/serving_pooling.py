@@ -15,7 +15,7 @@ from models.config import read_hf_config
 from server.errors import APIError, bad_request, engine_error, guess_param
 from server.protocol import (ClassificationRequest, EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest,
                              random_uuid)
-from server.serving_engine import OpenAIServing
+from server.serving_engine import TRACE_HEADERS, OpenAIServing
 
 # The route each kind of model answers, for the 400 a wrong route gets.
 ROUTES = {"embed": "/v1/embeddings (or /pooling, /score, /rerank)",
@@ -71,7 +71,8 @@ class OpenAIServingPooling(OpenAIServing):
         try:
             return await asyncio.gather(*(
                 self.engine_client.encode(p, params, f"{base}-{i}", priority=request.priority,
-                                          add_special_tokens=request.add_special_tokens)
+                                          add_special_tokens=request.add_special_tokens,
+                                          trace_headers=TRACE_HEADERS.get())
                 for i, p in enumerate(prompts)))
         except (ValueError, TypeError) as e:
             raise bad_request(str(e), guess_param(str(e), fields)) from e

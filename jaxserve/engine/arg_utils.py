@@ -37,6 +37,7 @@ from jaxserve.config import (
     LoRAConfig,
     EngineConfig,
     ModelConfig,
+    ObservabilityConfig,
     ParallelConfig,
     STRUCTURED_OUTPUTS_BACKENDS,
     SchedulerConfig,
@@ -196,6 +197,11 @@ class EngineArgs:
         choices=LORA_RANKS))
     max_cpu_loras: int | None = field(default=LoRAConfig.max_cpu_loras, metadata=_arg(
         "Adapters kept in host memory, least recently used dropped first (default: max_loras; at least that)."))
+    # ------------------------------------------------------------------ observability
+    otlp_traces_endpoint: str | None = field(default=ObservabilityConfig.otlp_traces_endpoint, metadata=_arg(
+        "Send one OpenTelemetry span per request (vLLM's attributes: queue, prefill, decode times, tokens) to "
+        "this OTLP collector (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: grpc, the default, or http/protobuf). Needs "
+        "pip install 'jaxserve[otel]'."))
     # ------------------------------------------------------------------ compilation
     enforce_eager: bool = field(default=EngineConfig.enforce_eager, metadata=_arg(
         "Skip the start-up warm-up (compile on demand)."))
@@ -323,6 +329,7 @@ class EngineArgs:
                                 if self.speculative_config is not None else None),
             lora_config=(LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                                     max_cpu_loras=self.max_cpu_loras) if self.enable_lora else None),
+            observability_config=ObservabilityConfig(otlp_traces_endpoint=self.otlp_traces_endpoint),
             enforce_eager=self.enforce_eager,
             background_warmup=self.background_warmup,
             token_buckets=tuple(self.token_buckets) if self.token_buckets else None,

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Mapping
 
 from jaxserve.config import DEFAULT_ITERATION_TIMEOUT_S, EngineConfig
 from jaxserve.core.kv_cache_utils import PrefixCachingMetrics
@@ -68,6 +68,7 @@ class AddRequest:
     cache_salt: str | None = None
     lora_request: object = None  # jaxserve.lora.LoRARequest, read and checked by the caller already
     token_type_ids: list[int] | None = None  # a pooling pair's (LLMEngine.prepare_pooling)
+    trace_headers: dict[str, str] | None = None  # the caller's trace context (tracing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +121,7 @@ class AsyncLLM:
         self._inbox: deque[EngineCommand] = deque()  # guarded by _cond
         self._deferred: list[EngineCall] = []  # engine thread: calls waiting for the engine to be idle
         self._shutdown = False
+        self._warned_trace_headers = False
         self._dead_error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}  # guarded by _streams_lock
         self._streams_lock = threading.Lock()
@@ -209,14 +211,16 @@ class AsyncLLM:
     async def generate(self, prompt, sampling_params: SamplingParams, request_id: str, *, priority: int = 0,
                        cache_salt: str | None = None, add_special_tokens: bool = True,
                        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
-                       lora_request=None) -> AsyncIterator[RequestOutput]:
+                       lora_request=None, trace_headers: Mapping[str, str] | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """Yields RequestOutputs as the engine produces them; the last has finished=True.
 
         DELTA (the default): each output holds only what is new (for n > 1, one
         choice per output, told apart by CompletionOutput.index). FINAL_ONLY: one
         output at the end. Validation errors are raised on the first iteration, before
         the request reaches the engine. Closing or cancelling the iterator aborts the
-        request."""
+        request. ``trace_headers``: the caller's W3C trace context (traceparent /
+        tracestate), the parent of the request's span under --otlp-traces-endpoint."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         self.check_health()
@@ -226,7 +230,8 @@ class AsyncLLM:
             await self.add_lora(lora_request)
         params = sampling_params.replace(output_kind=output_kind)
         stream = self._open_stream(request_id, params.n, text, ids)
-        self._post(AddRequest(stream, text, ids, params, priority, cache_salt, lora_request))
+        self._post(AddRequest(stream, text, ids, params, priority, cache_salt, lora_request,
+                              trace_headers=self._trace_headers(trace_headers)))
         finished = False
         seen_finished: set[int] = set()  # choices whose finish the caller has been given
         try:
@@ -253,6 +258,19 @@ class AsyncLLM:
                 # that reuses the id.
                 self._post(AbortRequest(stream))
 
+    def _trace_headers(self, headers: Mapping[str, str] | None) -> dict[str, str] | None:
+        """The trace context to keep (None without tracing: a client's traceparent is
+        then noted once in the log, as vLLM does)."""
+        if not headers:
+            return None
+        if self.engine.output_processor.tracer is None:
+            if not self._warned_trace_headers:
+                self._warned_trace_headers = True
+                logger.warning("a request came with a trace context (traceparent) but tracing is off: "
+                               "start with --otlp-traces-endpoint to record spans")
+            return None
+        return dict(headers)
+
     def _open_stream(self, request_id: str, n: int, text, ids: list[int]) -> RequestStream:
         """A registered RequestStream of ``n`` sequences for a new request (generate,
         encode): ValueError for an id in use, the capacity checks, the health check."""
@@ -271,7 +289,8 @@ class AsyncLLM:
         return stream
 
     async def encode(self, prompt, pooling_params: PoolingParams, request_id: str, *, priority: int = 0,
-                     add_special_tokens: bool = True) -> PoolingRequestOutput:
+                     add_special_tokens: bool = True,
+                     trace_headers: Mapping[str, str] | None = None) -> PoolingRequestOutput:
         """A pooling request's output (docs/pooling.md): ``prompt`` a str, token ids,
         a prompt dict, or a (text_1, text_2) pair for a cross-encoder. Validation errors
         are raised here, before the request reaches the engine; cancelling the call
@@ -285,7 +304,8 @@ class AsyncLLM:
             prompt, pooling_params, add_special_tokens=add_special_tokens, tokenizer=self.tokenizer,
             input_processor=self.input_processor)
         stream = self._open_stream(request_id, 1, text, ids)
-        self._post(AddRequest(stream, text, ids, params, priority, token_type_ids=types))
+        self._post(AddRequest(stream, text, ids, params, priority, token_type_ids=types,
+                              trace_headers=self._trace_headers(trace_headers)))
         finished = False
         try:
             item = await stream.queue.get()
@@ -451,6 +471,9 @@ class AsyncLLM:
             self._thread.join(timeout if self._dead_error is None else 1.0)
         if not self._thread.is_alive():  # a step still running keeps the followers needed
             self.engine.engine_core.shutdown()
+        tracer = self.engine.output_processor.tracer
+        if tracer is not None:
+            tracer.shutdown()  # export the spans still queued
         if self._dead_error is None:
             self._dead_error = EngineDeadError("the engine was shut down")
         self._fail_all_streams(EngineDeadError("the engine was shut down"))
@@ -519,11 +542,15 @@ class AsyncLLM:
                 if isinstance(cmd.params, PoolingParams):
                     self.engine.add_tokenized_pooling_request(stream.request_id, cmd.prompt, cmd.prompt_token_ids,
                                                               cmd.params, priority=cmd.priority, stream=stream,
-                                                              token_type_ids=cmd.token_type_ids)
+                                                              token_type_ids=cmd.token_type_ids,
+                                                              arrival_time=stream.arrival_time,
+                                                              trace_headers=cmd.trace_headers)
                 else:
                     self.engine.add_tokenized_request(stream.request_id, cmd.prompt, cmd.prompt_token_ids,
                                                       cmd.params, priority=cmd.priority, cache_salt=cmd.cache_salt,
-                                                      stream=stream, lora_request=cmd.lora_request)
+                                                      stream=stream, lora_request=cmd.lora_request,
+                                                      arrival_time=stream.arrival_time,
+                                                      trace_headers=cmd.trace_headers)
             except (ValueError, TypeError) as e:
                 self._send(stream, e)
         elif isinstance(cmd, EngineCall):

@@ -66,6 +66,11 @@ class LLMEngine:
             structured_output_manager=self.structured_output_manager)
         pooler = mc.pooler_config
         self.output_processor = OutputProcessor(self.tokenizer, pooler.task if pooler is not None else None)
+        endpoint = config.observability_config.otlp_traces_endpoint
+        if endpoint is not None:
+            from jaxserve.tracing import RequestTracer
+
+            self.output_processor.tracer = RequestTracer(endpoint, model=mc.served_model_name or mc.model)
         # Tests and drills: JAXSERVE_FAULTS (engine/fault_injection.py); None normally.
         self.fault_injector = FaultInjector.from_env()
         self.startup_seconds = time.perf_counter() - t0
@@ -131,9 +136,12 @@ class LLMEngine:
 
     def add_tokenized_request(self, request_id: str, text, ids: list[int], params: SamplingParams, *,
                               priority: int = 0, cache_salt: str | None = None, stream: RequestStream | None = None,
-                              arrival_time: float | None = None, lora_request=None) -> None:
+                              arrival_time: float | None = None, lora_request=None,
+                              trace_headers: dict[str, str] | None = None) -> None:
         """``lora_request``: the LoRA adapter to run with (jaxserve.lora.LoRARequest; read
-        and checked here on first use), None: the base model."""
+        and checked here on first use), None: the base model. ``trace_headers``: the
+        caller's W3C trace context (traceparent / tracestate), the parent of the request's
+        span when tracing is on."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if self.config.model_config.pooler_config is not None:
@@ -160,7 +168,7 @@ class LLMEngine:
         self._children[request_id] = [c[0] for c in children]
         for child_id, index, child_params in children:
             self.output_processor.add_request(child_id, request_id, index, text, ids, resolved, stream=stream,
-                                              arrival_time=arrival_time)
+                                              arrival_time=arrival_time, trace_headers=trace_headers)
             self.engine_core.add_request(Request(
                 child_id, ids, child_params, None if params.ignore_eos else self.eos_token_id,
                 priority=priority, cache_salt=cache_salt, max_tokens=max_tokens, arrival_time=arrival_time,
@@ -209,7 +217,8 @@ class LLMEngine:
     def add_tokenized_pooling_request(self, request_id: str, text, ids: list[int], params: PoolingParams, *,
                                       priority: int = 0, stream: RequestStream | None = None,
                                       arrival_time: float | None = None,
-                                      token_type_ids: list[int] | None = None) -> None:
+                                      token_type_ids: list[int] | None = None,
+                                      trace_headers: dict[str, str] | None = None) -> None:
         """A pooling request whose inputs prepare_pooling checked (``params`` resolved).
         token_type_ids ride to the model in the ids' high bits (models/bert.py); the
         output's prompt_token_ids are the plain ids."""
@@ -220,7 +229,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._children[request_id] = [request_id]
         self.output_processor.add_request(request_id, request_id, 0, text, ids, _POOLING_SAMPLING, stream=stream,
-                                          arrival_time=arrival_time, pooling_params=params)
+                                          arrival_time=arrival_time, pooling_params=params,
+                                          trace_headers=trace_headers)
         if token_type_ids is not None:
             from models.bert import pack_token_types
 

@@ -19,6 +19,7 @@ from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 if TYPE_CHECKING:
     from jaxserve.engine.fault_injection import FaultInjector
     from jaxserve.engine.request_stream import RequestStream
+    from jaxserve.tracing import RequestTracer
 
 logger = logging.getLogger("jaxserve")
 
@@ -56,6 +57,11 @@ class RequestState:
     first_token_time: float | None = None
     stream: RequestStream | None = None  # AsyncLLM's per-request hand-over point; None for the offline LLM
     pooling_params: PoolingParams | None = None  # a pooling request's (resolved); None: generation
+    # Tracing (jaxserve/tracing.py): the caller's trace context and what the span reports.
+    trace_headers: dict[str, str] | None = None
+    scheduled_time: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
 
 
 class OutputProcessor:
@@ -65,10 +71,12 @@ class OutputProcessor:
         self.request_states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
         self.fault_injector: FaultInjector | None = None  # tests and drills
+        self.tracer: RequestTracer | None = None  # --otlp-traces-endpoint: a span per request as it ends
 
     def add_request(self, request_id: str, external_id: str, index: int, prompt: str | None,
                     prompt_token_ids: list[int], params: SamplingParams, stream: RequestStream | None = None,
-                    arrival_time: float | None = None, pooling_params: PoolingParams | None = None) -> None:
+                    arrival_time: float | None = None, pooling_params: PoolingParams | None = None,
+                    trace_headers: dict[str, str] | None = None) -> None:
         parent = None
         if params.n > 1:
             parent = self.parents.setdefault(external_id, ParentRequest(external_id, params.n))
@@ -80,7 +88,7 @@ class OutputProcessor:
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
-            stream=stream, pooling_params=pooling_params,
+            stream=stream, pooling_params=pooling_params, trace_headers=trace_headers,
         )
         if arrival_time is not None:
             state.arrival_time = arrival_time
@@ -115,6 +123,8 @@ class OutputProcessor:
             st = self.request_states.get(eco.request_id)
             if st is None:
                 continue
+            if eco.scheduled_time is not None:
+                st.scheduled_time = eco.scheduled_time
             try:
                 if eco.error is not None:
                     raise RequestFailedError(st.external_id, eco.error, eco.error_is_client)
@@ -123,6 +133,7 @@ class OutputProcessor:
                 logger.exception("request %s failed while its output was processed", eco.request_id)
                 if not isinstance(e, RequestFailedError):
                     e = RequestFailedError(st.external_id, repr(e))
+                st.error = str(e)
                 outputs.append((st, e))
                 if st.parent is not None:
                     st.parent.finished.add(st.index)
@@ -136,6 +147,7 @@ class OutputProcessor:
                 data = finalize(eco.pooling_output, st.pooling_params, self.pooling_task)
                 outputs.append((st, PoolingRequestOutput(st.external_id, PoolingOutput(data), st.prompt_token_ids,
                                                          True, eco.num_cached_tokens)))
+                st.finish_reason, st.num_cached_tokens = "stop", eco.num_cached_tokens
             elif eco.finished:  # aborted
                 outputs.append((st, self._make_output(st, eco.finish_reason, eco.stop_reason)))
             if eco.finished:
@@ -183,8 +195,21 @@ class OutputProcessor:
 
     def _finish(self, st: RequestState) -> None:
         self.request_states.pop(st.request_id, None)
+        if self.tracer is not None:
+            self._trace(st)
         if st.parent is not None and len(st.parent.finished) == st.parent.n:
             self.parents.pop(st.parent.request_id, None)
+
+    def _trace(self, st: RequestState) -> None:
+        try:
+            self.tracer.record(
+                request_id=st.external_id, params=st.pooling_params or st.params, trace_headers=st.trace_headers,
+                num_prompt_tokens=len(st.prompt_token_ids), num_generation_tokens=len(st.token_ids),
+                num_cached_tokens=st.num_cached_tokens, arrival_time=st.arrival_time,
+                scheduled_time=st.scheduled_time, first_token_time=st.first_token_time, end_time=time.monotonic(),
+                finish_reason=st.finish_reason, error=st.error)
+        except Exception:  # noqa: BLE001 — a tracing failure must not fail the request or the engine
+            logger.exception("request %s: its trace span could not be recorded", st.external_id)
 
     def _logprob_dicts(self, lists: LogprobsLists, k: int, count: int) -> list[dict[int, Logprob]]:
         out = []
@@ -222,6 +247,8 @@ class OutputProcessor:
             st.sent_logprobs = len(st.logprobs) if st.logprobs is not None else 0
         else:
             token_ids, logprobs = list(st.token_ids), st.logprobs
+        if finished:
+            st.finish_reason = str(finish_reason)
         completion = CompletionOutput(
             index=st.index, text=text, token_ids=list(token_ids), cumulative_logprob=st.cumulative_logprob,
             logprobs=list(logprobs) if logprobs is not None else None,

@@ -8,6 +8,7 @@ chunked prefill, continuous batching and prefix-cache skips.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -335,6 +336,8 @@ class Scheduler:
                 request.num_computed_tokens = num_computed_tokens
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_computed_tokens
+                if request.scheduled_time is None:
+                    request.scheduled_time = time.monotonic()
         for request in reversed(skipped_waiting):
             self.waiting.prepend_request(request)
 
@@ -570,6 +573,7 @@ class Scheduler:
                         num_cached_tokens=max(request.num_cached_tokens, 0),
                         error=error,
                         pooling_output=pooled,
+                        scheduled_time=request.scheduled_time,
                     )
                 )
         if self.check_invariants:
