@@ -6,8 +6,8 @@ import json
 import pytest
 
 from jaxserve.reasoning import get_reasoning_parser, harmony
-from jaxserve.reasoning.think_parser import StreamingReasoning
 from server.tool_parsers import get_tool_parser
+from tests.reasoning.test_think_parsers import split_streamed
 
 CALL_ARGS = {"city": "Paris", "days": 3}
 
@@ -27,18 +27,6 @@ class Tok:
 
     def ids(self, *pieces):
         return [self.PIECES.index(p) for p in pieces]
-
-
-def split_streamed(parser, text: str, step: int):
-    stream = StreamingReasoning(parser)
-    reasoning = content = ""
-    pieces = [text[i:i + step] for i in range(0, len(text), step)]
-    for k, piece in enumerate(pieces):
-        delta = stream.feed(piece, final=k == len(pieces) - 1)
-        if delta is not None:
-            reasoning += delta.reasoning or ""
-            content += delta.content or ""
-    return reasoning or None, content or None
 
 
 def check_split(name: str, text: str, expected) -> None:

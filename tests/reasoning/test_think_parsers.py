@@ -31,15 +31,20 @@ def test_split_whole_and_streamed(name, text, opened, qwen3, r1):
     expected = qwen3 if name == "qwen3" else r1
     assert parser.extract_reasoning(text, opened=opened) == expected
     for step in (1, 2, 5, 100):
-        stream = StreamingReasoning(parser, opened=opened)
-        reasoning = content = ""
-        pieces = [text[i:i + step] for i in range(0, len(text), step)]
-        for k, piece in enumerate(pieces):
-            delta = stream.feed(piece, final=k == len(pieces) - 1)
-            if delta is not None:
-                reasoning += delta.reasoning or ""
-                content += delta.content or ""
-        assert (reasoning or None, content or None) == expected, step
+        assert split_streamed(parser, text, step, opened=opened) == expected, step
+
+
+def split_streamed(parser, text: str, step: int, *, opened: bool = False):
+    """(reasoning, content) of ``text`` streamed in deltas of ``step`` characters."""
+    stream = StreamingReasoning(parser, opened=opened)
+    reasoning = content = ""
+    pieces = [text[i:i + step] for i in range(0, len(text), step)]
+    for k, piece in enumerate(pieces):
+        delta = stream.feed(piece, final=k == len(pieces) - 1)
+        if delta is not None:
+            reasoning += delta.reasoning or ""
+            content += delta.content or ""
+    return reasoning or None, content or None
 
 
 @pytest.mark.parametrize("name", THINK_PARSERS)
