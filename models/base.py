@@ -35,6 +35,12 @@ class Weight:
     dims: tuple[str, ...]  # ModelArchConfig field giving each axis's size; "a*b" is a product
     sharding: tuple[str | None, ...] | None = None  # mesh axis per axis; None: replicated
     transpose: bool = False  # HF Linear weights are [out, in]; ours are [in, out]
+    # A slice of a fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj): the stored
+    # tensor's first axis has ``fused_rows`` entries and this param is its entries
+    # [row_offset, row_offset + our size). Both are dims expressions on the
+    # checkpoint's (tp = 1) arch; None: the whole tensor.
+    row_offset: str | None = None
+    fused_rows: str | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -60,7 +66,10 @@ class Weight:
 
 
 def dim_size(config: ModelArchConfig, dim: str) -> int:
-    return math.prod(int(f) if f.isdigit() else getattr(config, f) for f in dim.split("*"))
+    """The size ``dim`` names: ModelArchConfig fields and integers, products ("a*b") and
+    sums of them ("a*b+2*c*b", a fused tensor's rows)."""
+    return sum(math.prod(int(f) if f.isdigit() else getattr(config, f) for f in term.split("*"))
+               for term in dim.split("+"))
 
 
 def make_param(name: str, value, weight: Weight, config: ModelArchConfig, dtype) -> nnx.Param:

@@ -30,7 +30,7 @@ from models.batch_invariance import rowwise
 from models.config import ModelArchConfig, hf_common_fields
 from models.lora import LORA_A, LORA_B, LORA_MASK, LORA_ON
 from models.quantization import linear, matmul, matmul_weight_names, param_map, scan_safe
-from models.rope import apply_rope, rope_inv_freq
+from models.rope import apply_rope, rope_attention_factor, rope_inv_freq
 from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.storage import stacked_weights_as_bits
 
@@ -173,6 +173,7 @@ class LlamaForCausalLM(CausalLM):
         # the params' dtype.
         self.inv_freq = nnx.Variable(jnp.asarray(
             rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)))
+        self.rope_scale = rope_attention_factor(config.rope_scaling, config.max_position_embeddings)
 
     def norm_qk(self, q, k, lw):
         """Hook between the q/k projections and rope (q: [T, N, H], k: [T, K, H])."""
@@ -210,8 +211,8 @@ class LlamaForCausalLM(CausalLM):
         q, k, v = q.reshape(t, N, H), k.reshape(t, K, H), v.reshape(t, K, H)
         q, k = self.norm_qk(q, k, lw)
         inv_freq = self.rope_inv_freq(layer)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        q = apply_rope(q, positions, inv_freq, self.rope_scale)
+        k = apply_rope(k, positions, inv_freq, self.rope_scale)
         o, kv_cache = attention_fn(q, k, v, kv_cache, layer, md)
         attn = linear(o.reshape(t, N * H), lw, "o_proj")
         if c.o_bias:

@@ -18,6 +18,7 @@ from models.config import ModelArchConfig
 from models.quantization import (KV_SCALE_TENSORS, check_quantization, checkpoint_transform, matmul_weight_names,
                                  quantized_names, quantizer, read_checkpoint_quantization, read_kv_cache_scales)
 from models.registry import get_model_class
+from models.rope import longrope_settings
 from models.sharding import arch_for_tensor_parallel, place_variables
 from models.weights import SafetensorsCheckpoint, stream_safetensors
 
@@ -26,7 +27,7 @@ logger = logging.getLogger("jaxserve")
 
 def load_model(model_path: str | Path, *, mesh: Mesh, dtype, progress: bool = True, scan_layers: bool = True,
                expert_parallel: bool = False, quantization: str | None = None, param_dtype=None,
-               hf_overrides: dict | None = None):
+               hf_overrides: dict | None = None, max_model_len: int | None = None):
     """Returns (ModelArchConfig, graphdef, state). The arch is the EFFECTIVE one for the
     mesh's tensor-parallel size (models/sharding.py: padded vocabulary, replicated KV
     heads; ``vocab_size`` stays the real vocabulary). Params come in ``dtype``, each
@@ -37,9 +38,13 @@ def load_model(model_path: str | Path, *, mesh: Mesh, dtype, progress: bool = Tr
     (models/quantization.py), quantized on the devices as each param arrives.
     ``param_dtype``: the matmul weights' dtype when not ``dtype`` (bf16 weights under
     float32 activations; ``models.quantization.matmul``), read from the checkpoint in it.
-    ``hf_overrides``: applied on top of config.json (vLLM's ``--hf-overrides``)."""
+    ``hf_overrides``: applied on top of config.json (vLLM's ``--hf-overrides``).
+    ``max_model_len``: the engine's (LongRoPE picks its factors by it; None: the model's
+    max_position_embeddings)."""
     check_quantization(quantization)
     arch = ModelArchConfig.from_pretrained(model_path, hf_overrides)
+    arch = dataclasses.replace(arch, rope_scaling=longrope_settings(
+        arch.rope_scaling, max_model_len or arch.max_position_embeddings))
     model_cls = get_model_class(arch.architecture)
     arch = arch_for_tensor_parallel(arch, mesh.shape[MODEL], model_cls, expert_parallel=expert_parallel)
     stored = read_checkpoint_quantization(json.loads((Path(model_path) / "config.json").read_text()))

@@ -91,10 +91,10 @@ def plan_update(ckpt, arch: ModelArchConfig, model_cls, extra_ignored: tuple[str
             if not ignored.fullmatch(hf_name):
                 unknown.append(hf_name)
             continue
-        name, idx, want = expected[hf_name]
-        if tuple(info.shape) != want:
-            raise ValueError(f"update_weights: {hf_name!r} has shape {tuple(info.shape)}; this model's is {want}")
-        given.setdefault(name, set()).add(idx)
+        for name, idx, want in expected[hf_name]:  # a fused tensor feeds several params
+            if tuple(info.shape) != want:
+                raise ValueError(f"update_weights: {hf_name!r} has shape {tuple(info.shape)}; this model's is {want}")
+            given.setdefault(name, set()).add(idx)
     if unknown:
         example = next(iter(expected))
         raise ValueError(f"update_weights: {unknown[0]!r} is not a parameter of this {arch.architecture} model "

@@ -14,6 +14,7 @@ _MODEL_REGISTRY = {
     "LlamaForCausalLM": ("models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("models.mistral", "MistralForCausalLM"),
     "MixtralForCausalLM": ("models.mixtral", "MixtralForCausalLM"),
+    "Phi3ForCausalLM": ("models.phi3", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("models.qwen2", "Qwen2ForCausalLM"),
     "Qwen2MoeForCausalLM": ("models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("models.qwen3", "Qwen3ForCausalLM"),

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from models.base import Weight
+from models.base import Weight, dim_size
 from models.config import ModelArchConfig
 from models.sharding import checkpoint_arch, source_indices
 
@@ -173,6 +173,9 @@ class _ShardReader:
         dst = tuple(spans) if all(s is not None for s in spans) else np.ix_(*where)
         if w.transpose:
             ck_index = ck_index[::-1]
+        if w.row_offset is not None:  # our rows are a block of a fused tensor's
+            off = dim_size(checkpoint_arch(self.arch), w.row_offset)
+            ck_index[0] = slice(ck_index[0].start + off, ck_index[0].stop + off)
         for idx in itertools.product(*(range(a, b) for a, b in bounds[:ns])):
             names = idx if self.layers is None else (self.layers[idx[0]], *idx[1:])
             data = self.ckpt.read(w.hf_name.format(**dict(zip(w.stacked, names))), tuple(ck_index))
@@ -185,16 +188,20 @@ class _ShardReader:
         return out
 
 
-def checkpoint_tensors(arch: ModelArchConfig, model_cls) -> dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]]:
-    """Every checkpoint tensor the model reads: HF name -> (our param name, its index on
-    the param's stacked axes, the shape the checkpoint stores it in)."""
+def checkpoint_tensors(arch: ModelArchConfig,
+                       model_cls) -> dict[str, list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
+    """Every checkpoint tensor the model reads: HF name -> [(our param name, its index on
+    the param's stacked axes, the shape the checkpoint stores it in)], one entry per
+    param that reads it (several for a fused tensor)."""
     stored = checkpoint_arch(arch)
-    out = {}
+    out: dict[str, list] = {}
     for param, w in model_cls.weight_map(stored).items():
         want = w.shape(stored)[len(w.stacked):]
         want = tuple(want[::-1] if w.transpose else want)
+        if w.fused_rows is not None:
+            want = (dim_size(stored, w.fused_rows), *want[1:])
         for idx, name in w.tensor_names(stored):
-            out[name] = (param, idx, want)
+            out.setdefault(name, []).append((param, idx, want))
     return out
 
 
@@ -213,7 +220,8 @@ def check_checkpoint_names(ckpt: SafetensorsCheckpoint, arch: ModelArchConfig, m
     skip. Reads the headers only."""
     ignored = ignored_tensors(arch, model_cls, extra_ignored)
     used = set()
-    for name, (_, _, want) in checkpoint_tensors(arch, model_cls).items():
+    for name, uses in checkpoint_tensors(arch, model_cls).items():
+        want = uses[0][2]
         if name not in ckpt.tensors:
             raise ValueError(f"{ckpt.model_dir}: the checkpoint has no tensor {name!r}, "
                              f"which {arch.architecture} needs")

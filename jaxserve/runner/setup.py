@@ -48,7 +48,8 @@ def load_target_model(config: EngineConfig, model_path: str, mesh: Mesh, dtype, 
     t0 = time.perf_counter()
     loaded = load_model(model_path, mesh=mesh, dtype=dtype, progress=progress, scan_layers=mc.scan_layers,
                         expert_parallel=pc.enable_expert_parallel, quantization=mc.quantization,
-                        param_dtype=param_dtype, hf_overrides=mc.hf_overrides)
+                        param_dtype=param_dtype, hf_overrides=mc.hf_overrides,
+                        max_model_len=config.scheduler_config.max_model_len)
     if jnp.dtype(param_dtype) != jnp.dtype(dtype):
         logger.info("Matmul weights in %s, activations and KV cache in %s (weight_dtype=%s)",
                     jnp.dtype(param_dtype).name, jnp.dtype(dtype).name, mc.weight_dtype)

@@ -14,7 +14,7 @@ def tiny_models(tmp_path_factory):
     cache = {}
 
     def get(arch: str, **kw):
-        key = (arch, tuple(sorted(kw.items())))
+        key = (arch, repr(sorted(kw.items())))  # repr: values may be dicts (rope_scaling)
         if key not in cache:
             cache[key] = make_tiny_hf_model(tmp_path_factory.mktemp(arch), arch.split("-")[0], **kw)
         return cache[key]

@@ -39,6 +39,9 @@ def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv
     elif arch == "qwen3":
         cfg = transformers.Qwen3Config(**common, head_dim=16)
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif arch == "phi3":  # fused qkv / gate_up; LongRoPE and partial rotary via config_kw
+        cfg = transformers.Phi3Config(**common)
+        model = transformers.Phi3ForCausalLM(cfg)
     elif arch in ("gemma2", "gemma3"):
         # A window of 8 tokens (shorter than the test prompts), one sliding and one global layer.
         gemma = dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16,

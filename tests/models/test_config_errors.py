@@ -16,7 +16,10 @@ def cfg(**kw):
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(architectures=["Phi3ForCausalLM"]), "Model architecture 'Phi3ForCausalLM' is not supported"),
+    (dict(architectures=["DeepseekV3ForCausalLM"]), "Model architecture 'DeepseekV3ForCausalLM' is not supported"),
+    (dict(architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.3), "partial_rotary_factor"),
+    (dict(architectures=["Phi3ForCausalLM"], rope_scaling={"type": "su", "short_factor": [1.0] * 4,
+                                                           "long_factor": [1.0] * 4}), "longrope factors have 4"),
     (dict(architectures=["GPT2LMHeadModel"], num_attention_heads=None), "'GPT2LMHeadModel' is not supported"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
     (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=4),
@@ -36,6 +39,11 @@ def test_bias_flags_follow_hf():
     assert (qwen2.attention_bias, qwen2.o_bias) == (True, False)
     mistral = cfg(architectures=["MistralForCausalLM"], sliding_window=4096)
     assert mistral.sliding_window == 4096
+    # Phi-3's old "su" rope name is longrope, with the trained length from the top level
+    phi3 = cfg(architectures=["Phi3ForCausalLM"], original_max_position_embeddings=64,
+               rope_scaling={"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8})
+    assert phi3.rope_scaling["rope_type"] == "longrope"
+    assert phi3.rope_scaling["original_max_position_embeddings"] == 64
 
 
 def test_tensor_parallel_sizes():

@@ -13,10 +13,13 @@ from models.loader import load_model
 from models.sharding import checkpoint_arch
 
 VOCAB = 1013  # prime: no tp > 1 divides it
-# name -> (factory kwargs, tensor-parallel sizes); qwen2: q/k/v biases, tied embeddings.
+# name -> (factory kwargs, tensor-parallel sizes); qwen2: q/k/v biases, tied embeddings;
+# phi3: fused projections.
 MODELS = {
     "llama": (dict(arch="llama", vocab=VOCAB, kv_heads=2, heads=8), (1, 2, 4, 8)),
     "qwen2-tied": (dict(arch="qwen2", vocab=VOCAB, kv_heads=2, heads=4, tie=True), (1, 2, 4)),
+    # fused qkv_proj / gate_up_proj read as row blocks, KV heads replicated past tp = 2
+    "phi3": (dict(arch="phi3", vocab=VOCAB, kv_heads=2, heads=8), (1, 2, 4, 8)),
 }
 
 
