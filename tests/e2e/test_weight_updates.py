@@ -259,10 +259,12 @@ def test_pause_wait_and_abort_offline(models, monkeypatch):
                                      ("qwen3_moe", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
                                      ("llama", dict(tensor_parallel_size=2, data_parallel_size=2,
                                                     weight_dtype="bfloat16")),
-                                     ("llama", dict(quantization="int8"))])
+                                     ("llama", dict(quantization="int8")),
+                                     ("phi3", dict(tensor_parallel_size=2))])  # fused qkv / gate_up at tp 2
 def test_update_under_tp_dp_ep_moe_and_quantization(tiny_models, arch, kw):
-    """A MoE model at tp 2 and expert parallel 2, a bf16-weight model at tp 2 x dp 2, and
-    an int8 model re-quantized: a dict update gives the fresh engine's outputs."""
+    """A MoE model at tp 2 and expert parallel 2, a bf16-weight model at tp 2 x dp 2, an
+    int8 model re-quantized, and Phi-3's fused tensors (each feeding several params) at
+    tp 2: a dict update gives the fresh engine's outputs."""
     a, b = tiny_models(arch, seed=0), tiny_models(arch, seed=1)
     kw = dict(kw, enforce_eager=True)  # the programs a few steps use, compiled on first use
     want = run(LLM(str(b), **KW, **kw))
