@@ -10,9 +10,9 @@ as in vLLM. Neither the prompt nor the output is recorded.
 
 The engine thread only queues each finished request's numbers (``record``); a thread of
 the tracer builds the spans (measured: 5 us a request on the engine thread, 0.3 ms on
-the tracer's), and the SDK's batch
-processor exports them over OTLP on its own thread: ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` is ``grpc`` (vLLM's default;
-``grpc://`` or ``http://`` host:port, port 4317) or ``http/protobuf`` (the URL, usually
+the tracer's), and the SDK's batch processor exports them over OTLP on its own thread.
+``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` is ``grpc`` (vLLM's default; ``grpc://`` or
+``http://`` host:port, port 4317) or ``http/protobuf`` (the URL, usually
 port 4318; ``/v1/traces`` is added when the URL has no path); ``OTEL_SERVICE_NAME``
 names the service (default ``jaxserve``). Needs the ``otel`` extra
 (``pip install 'jaxserve[otel]'``): opentelemetry-sdk and the OTLP exporters.
