@@ -252,12 +252,12 @@ class ObservabilityConfig:
 
     def __post_init__(self) -> None:
         if self.otlp_traces_endpoint is not None:
-            from jaxserve.tracing import otel_available, otel_install_hint
+            from jaxserve.tracing import INSTALL_HINT, otel_available
 
             if not self.otlp_traces_endpoint.strip():
                 raise ValueError("otlp_traces_endpoint must be a URL (host:port), got an empty string")
             if not otel_available():
-                raise ValueError(f"otlp_traces_endpoint needs OpenTelemetry: {otel_install_hint()}")
+                raise ValueError(f"otlp_traces_endpoint needs OpenTelemetry: {INSTALL_HINT}")
 
 
 # vLLM's allowed --max-lora-rank values.

@@ -30,7 +30,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 TRACE_HEADERS = ("traceparent", "tracestate")
-_INSTALL_HINT = "pip install 'jaxserve[otel]' (opentelemetry-sdk and its OTLP exporters)"
+INSTALL_HINT = "pip install 'jaxserve[otel]' (opentelemetry-sdk and its OTLP exporters)"
 
 
 class SpanAttributes:
@@ -52,10 +52,6 @@ class SpanAttributes:
     GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL = "gen_ai.latency.time_in_model_prefill"
     GEN_AI_LATENCY_TIME_IN_MODEL_DECODE = "gen_ai.latency.time_in_model_decode"
     GEN_AI_LATENCY_TIME_IN_MODEL_INFERENCE = "gen_ai.latency.time_in_model_inference"
-
-
-def otel_install_hint() -> str:
-    return _INSTALL_HINT
 
 
 def otel_available() -> bool:
@@ -94,7 +90,7 @@ def make_exporter(endpoint: str, protocol: str | None = None):
                 url = url.rstrip("/") + "/v1/traces"
             return OTLPSpanExporter(endpoint=url)
     except ImportError as e:
-        raise ValueError(f"otlp_traces_endpoint: the OTLP {protocol} exporter is not installed: {_INSTALL_HINT}") from e
+        raise ValueError(f"otlp_traces_endpoint: the OTLP {protocol} exporter is not installed: {INSTALL_HINT}") from e
     raise ValueError(f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be 'grpc' or 'http/protobuf', got {protocol!r}")
 
 
@@ -104,14 +100,16 @@ class RequestTracer:
 
     def __init__(self, endpoint: str, *, model: str = "", exporter=None) -> None:
         try:
+            from opentelemetry import trace
             from opentelemetry.sdk.resources import SERVICE_NAME, Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
             from opentelemetry.trace import SpanKind, Status, StatusCode
             from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
         except ImportError as e:
-            raise ValueError(f"otlp_traces_endpoint needs OpenTelemetry: {_INSTALL_HINT}") from e
+            raise ValueError(f"otlp_traces_endpoint needs OpenTelemetry: {INSTALL_HINT}") from e
         self._kind, self._status, self._code = SpanKind, Status, StatusCode
+        self._in_context = trace.set_span_in_context
         self._propagator = TraceContextTextMapPropagator()
         self.model = model
         resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", "jaxserve")})
@@ -172,14 +170,12 @@ class RequestTracer:
         span = self.tracer.start_span("llm_request", context=context, kind=self._kind.SERVER,
                                       attributes=attrs, start_time=ns(arrival_time))
         # The phases, as children: what a trace viewer draws as the request's timeline.
-        from opentelemetry import trace
-
         phases = [("queued", arrival_time, scheduled_time)]
         if scheduled_time is not None:
             phases.append(("prefill", scheduled_time, first_token_time or end_time))
         if first_token_time is not None:
             phases.append(("decode", first_token_time, end_time))
-        parent = trace.set_span_in_context(span)
+        parent = self._in_context(span)
         for name, start, stop in phases:
             child = self.tracer.start_span(name, context=parent, start_time=ns(start))
             child.end(end_time=ns(stop if stop is not None else end_time))

@@ -15,7 +15,7 @@ fused in the checkpoint and LongRoPE.
 from __future__ import annotations
 
 from models.base import Weight
-from models.config import ModelArchConfig, hf_common_fields
+from models.config import ModelArchConfig
 from models.llama import COLUMNS, KH, LAYER, NH, L, D, F, LlamaForCausalLM
 
 _QKV = LAYER + "self_attn.qkv_proj.weight"
@@ -44,14 +44,15 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelArchConfig:
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
-        cfg = _phi3_rope(cfg)
-        fields = hf_common_fields(cfg)
-        rotary = fields["head_dim"] * fields["rope_scaling"].get("partial_rotary_factor", 1.0)
+        arch = super().from_hf_config(_phi3_rope(cfg))
+        rotary = arch.head_dim * arch.rope_scaling.get("partial_rotary_factor", 1.0)
         if rotary != int(rotary) or int(rotary) % 2:
             raise ValueError(f"partial_rotary_factor: head_dim * factor must be an even integer, got {rotary}")
-        return ModelArchConfig(**fields, sliding_window=cfg.get("sliding_window"))
+        return arch
+
+    @classmethod
+    def arch_fields(cls, cfg: dict) -> dict:
+        return dict(sliding_window=cfg.get("sliding_window"))  # every layer; no biases
 
     @classmethod
     def weight_map(cls, c: ModelArchConfig) -> dict[str, Weight]:

@@ -31,8 +31,7 @@ class GptOssReasoningParser(ReasoningParser):
     # ------------------------------------------------------------------ token ids (engine)
     def is_reasoning_end(self, token_ids: Sequence[int]) -> bool:
         """The last message header in ``token_ids`` is complete and names the final channel."""
-        channel = self._last_final_header(token_ids)
-        return channel is not None
+        return self._last_final_header(token_ids) is not None
 
     def prompt_opens_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
         return False  # the generation prompt ends with <|start|>assistant: a header follows

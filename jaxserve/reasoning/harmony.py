@@ -12,7 +12,7 @@ any message (a model that did not follow the format) is kept as a ``plain`` mess
 
 ``parse_messages`` is pure and monotone in its input: a longer text gives the same
 messages with the last one grown (or new ones after it), provided the text does not end
-inside a special token (``partial_tag_len`` says how much to hold back), so callers can
+inside a special token (``tags.partial_tag_suffix(text, TAGS)`` says how much to hold back), so callers can
 re-read the whole text on every streamed delta.
 """
 from __future__ import annotations
@@ -20,11 +20,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from jaxserve.reasoning.tags import first_tag
+
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
 TAGS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
 TERMINATORS = (END, CALL, RETURN)
-_LONGEST = max(len(t) for t in TAGS)
 
 _CHANNEL_RE = re.compile(r"<\|channel\|>\s*([^\s<]+)")
 _RECIPIENT_RE = re.compile(r"\bto=([^\s<]+)")
@@ -59,7 +60,7 @@ def parse_messages(text: str) -> list[HarmonyMessage]:
     messages: list[HarmonyMessage] = []
     pos = 0
     while pos < len(text):
-        start = _first(text, (START, CHANNEL), pos)
+        start, _ = first_tag(text, (START, CHANNEL), pos)
         if start < 0:
             messages.append(HarmonyMessage(content=text[pos:], plain=True))
             break
@@ -75,12 +76,11 @@ def parse_messages(text: str) -> list[HarmonyMessage]:
                              content_type=_group(_CONSTRAIN_RE, header))
         body += len(MESSAGE)
         # A message ends at its terminator; a new header without one also ends it.
-        end = _first(text, TERMINATORS + (START,), body)
+        end, tag = first_tag(text, TERMINATORS + (START,), body)
         if end < 0:
             msg.content, pos = text[body:], len(text)
         else:
             msg.content = text[body:end]
-            tag = next(t for t in TERMINATORS + (START,) if text.startswith(t, end))
             if tag == START:
                 pos = end
             else:
@@ -89,28 +89,10 @@ def parse_messages(text: str) -> list[HarmonyMessage]:
     return messages
 
 
-def partial_tag_len(text: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a special token."""
-    for k in range(min(_LONGEST - 1, len(text)), 0, -1):
-        tail = text[-k:]
-        if tail[0] == "<" and any(t.startswith(tail) for t in TAGS):
-            return k
-    return 0
-
-
 def tool_call_block(name: str, arguments: str, *, ended: bool = True) -> str:
     """A call in harmony's canonical form (what the ``openai`` tool parser reads)."""
     return (f"{CHANNEL}commentary to=functions.{name} {CONSTRAIN}json{MESSAGE}{arguments}"
             + (CALL if ended else ""))
-
-
-def _first(text: str, tags: tuple[str, ...], pos: int) -> int:
-    best = -1
-    for tag in tags:
-        i = text.find(tag, pos)
-        if i >= 0 and (best < 0 or i < best):
-            best = i
-    return best
 
 
 def _group(pattern: re.Pattern, text: str) -> str | None:

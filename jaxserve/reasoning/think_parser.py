@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from jaxserve.reasoning.tags import partial_tag_suffix
+
 
 @dataclass(slots=True)
 class ReasoningDelta:
@@ -122,7 +124,7 @@ class StreamingReasoning:
         text = self.pending + delta
         self.pending = ""
         if not final:
-            hold = _partial_tag_suffix(text, self.parser.tags)
+            hold = partial_tag_suffix(text, self.parser.tags)
             if hold:
                 text, self.pending = text[:-hold], text[-hold:]
         if not text:
@@ -130,17 +132,6 @@ class StreamingReasoning:
         out = self.parser.extract_reasoning_streaming(self.text, text, opened=self.opened)
         self.text += text
         return out
-
-
-def _partial_tag_suffix(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a tag."""
-    best = 0
-    for tag in tags:
-        for k in range(min(len(tag) - 1, len(text)), 0, -1):
-            if text.endswith(tag[:k]):
-                best = max(best, k)
-                break
-    return best
 
 
 class Qwen3ReasoningParser(ReasoningParser):

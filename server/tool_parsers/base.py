@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxserve.reasoning.tags import partial_tag_suffix
 from server.tool_parsers.json_stream import CallScanner, JsonError
 
 
@@ -236,12 +237,5 @@ def json_object(text: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def partial_prefix_len(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``tags``."""
-    best = 0
-    for tag in tags:
-        for k in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:k]):
-                best = k
-                break
-    return best
+# The reasoning parsers' helper (a tag split across deltas), under the tool parsers' name.
+partial_prefix_len = partial_tag_suffix

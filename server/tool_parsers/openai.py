@@ -14,7 +14,14 @@ from __future__ import annotations
 import json
 
 from jaxserve.reasoning import harmony
-from server.tool_parsers.base import ExtractedToolCalls, ToolParser, ToolStreamer, json_object, tool_call
+from server.tool_parsers.base import (
+    ExtractedToolCalls,
+    ToolParser,
+    ToolStreamer,
+    json_object,
+    partial_prefix_len,
+    tool_call,
+)
 
 
 class OpenAIToolStreamer(ToolStreamer):
@@ -29,7 +36,7 @@ class OpenAIToolStreamer(ToolStreamer):
     def _step(self, final: bool) -> None:
         self._text += self._buf
         self._buf = ""
-        hold = 0 if final else harmony.partial_tag_len(self._text)
+        hold = 0 if final else partial_prefix_len(self._text, harmony.TAGS)
         messages = harmony.parse_messages(self._text[: len(self._text) - hold])
         content, calls = [], []
         for k, msg in enumerate(messages):

@@ -27,6 +27,7 @@ import ast
 import json
 from typing import Any
 
+from jaxserve.reasoning.tags import first_tag
 from server.tool_parsers.base import ToolParser, ToolStreamer, partial_prefix_len
 
 CALL, CALL_END = "<tool_call>", "</tool_call>"
@@ -97,7 +98,7 @@ class Qwen3CoderToolStreamer(ToolStreamer):
     def _step(self, final: bool) -> None:
         while self._buf and not self._passthrough:
             if self._state == "text":
-                i, tag = _first(self._buf, (CALL, FUNC))
+                i, tag = first_tag(self._buf, (CALL, FUNC))
                 if i < 0:
                     hold = 0 if final else partial_prefix_len(self._buf, (CALL, FUNC))
                     self._content(self._buf[: len(self._buf) - hold])
@@ -146,7 +147,7 @@ class Qwen3CoderToolStreamer(ToolStreamer):
                 else:
                     self._fail()
             elif self._state == "value":
-                i, tag = _first(self._buf, (PARAM_END, PARAM, FUNC_END))
+                i, tag = first_tag(self._buf, (PARAM_END, PARAM, FUNC_END))
                 if i < 0:
                     if final:
                         self._fail()
@@ -218,16 +219,6 @@ class Qwen3CoderToolStreamer(ToolStreamer):
             self._passthrough = True
             self._content(self._call_raw + self._buf)
             self._call_raw, self._buf = "", ""
-
-
-def _first(text: str, tags: tuple[str, ...]) -> tuple[int, str]:
-    """The earliest of ``tags`` in ``text``: (index, tag), or (-1, "")."""
-    best, found = -1, ""
-    for tag in tags:
-        i = text.find(tag)
-        if i >= 0 and (best < 0 or i < best):
-            best, found = i, tag
-    return best, found
 
 
 class Qwen3CoderToolParser(ToolParser):

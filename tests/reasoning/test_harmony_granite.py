@@ -6,6 +6,7 @@ import json
 import pytest
 
 from jaxserve.reasoning import get_reasoning_parser, harmony
+from jaxserve.reasoning.tags import partial_tag_suffix
 from server.tool_parsers import get_tool_parser
 from tests.reasoning.test_think_parsers import split_streamed
 
@@ -75,7 +76,7 @@ def test_harmony_messages():
     text = ANALYSIS + CALL
     for n in range(len(text)):
         cut = text[:n]
-        cut = cut[: len(cut) - harmony.partial_tag_len(cut)]
+        cut = cut[: len(cut) - partial_tag_suffix(cut, harmony.TAGS)]
         assert not any(m.plain and m.content.startswith("<|") for m in harmony.parse_messages(cut)), cut
 
 
