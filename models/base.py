@@ -36,11 +36,14 @@ class Weight:
     sharding: tuple[str | None, ...] | None = None  # mesh axis per axis; None: replicated
     transpose: bool = False  # HF Linear weights are [out, in]; ours are [in, out]
     # A slice of a fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj): the stored
-    # tensor's first axis has ``fused_rows`` entries and this param is its entries
-    # [row_offset, row_offset + our size). Both are dims expressions on the
-    # checkpoint's (tp = 1) arch; None: the whole tensor.
+    # tensor's output axis (the first with ``transpose``, else the last, after any
+    # stacked axes) has ``fused_rows`` entries and our output index j is its entry
+    # row_offset + j * fused_stride: a block (stride 1) or every stride-th entry
+    # (GPT-OSS's interleaved gate / up columns). Offsets and sizes are dims
+    # expressions on the checkpoint's (tp = 1) arch; None: the whole tensor.
     row_offset: str | None = None
     fused_rows: str | None = None
+    fused_stride: int = 1
 
     @property
     def per_layer(self) -> bool:

@@ -44,6 +44,10 @@ class ModelArchConfig:
     moe_intermediate_size: int = 0  # each expert's mlp dim
     norm_topk_prob: bool = False  # renormalise the top-k router weights to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on gated expert (0: none)
+    moe_bias: bool = False  # GPT-OSS: the router and the experts' projections carry biases
+    # GPT-OSS's clamped SwiGLU in the experts, (alpha, limit) (models/moe.py: glu); None: SiLU * up.
+    swiglu: tuple[float, float] | None = None
+    attention_sinks: bool = False  # GPT-OSS: a learned logit per head in each softmax's denominator
     # Experts laid out over the 'model' axis whole (E / tp per device) instead of split
     # by their mlp dim (models/sharding.py: arch_for_tensor_parallel).
     expert_parallel: bool = False
@@ -150,6 +154,8 @@ def hf_common_fields(cfg: dict) -> dict:
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     rope["rope_type"] = rope_type
     rope.pop("type", None)
+    if rope_type == "yarn" and not rope.get("factor") and rope.get("original_max_position_embeddings"):
+        rope["factor"] = cfg.get("max_position_embeddings", 2048) / rope["original_max_position_embeddings"]  # HF's rule
     eos = cfg.get("eos_token_id")
     eos_list = [] if eos is None else (list(eos) if isinstance(eos, (list, tuple)) else [eos])
     rope_inv_freq(head_dim, float(rope_theta), rope)  # unsupported rope types fail here

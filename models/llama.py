@@ -213,7 +213,9 @@ class LlamaForCausalLM(CausalLM):
         inv_freq = self.rope_inv_freq(layer)
         q = apply_rope(q, positions, inv_freq, self.rope_scale)
         k = apply_rope(k, positions, inv_freq, self.rope_scale)
-        o, kv_cache = attention_fn(q, k, v, kv_cache, layer, md)
+        # GPT-OSS's sinks: one logit per head in each softmax (pallas_kernels/backend.py).
+        sinks = {"sinks": lw["sinks"].astype(jnp.float32)} if c.attention_sinks else {}
+        o, kv_cache = attention_fn(q, k, v, kv_cache, layer, md, **sinks)
         attn = linear(o.reshape(t, N * H), lw, "o_proj")
         if c.o_bias:
             attn = attn + lw["o_bias"]

@@ -24,6 +24,8 @@ Two layouts over the mesh's 'model' axis (tp devices):
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -35,6 +37,20 @@ from models.base import MODEL, Weight
 from models.llama import LAYER
 
 EP_STRATEGIES = ("allgather", "alltoall")
+# Set while tracing a differentiated forward (jaxserve/runner/dense_forward.py): the CPU
+# path's dynamic tile loop has no reverse-mode derivative, ragged_dot has.
+_DIFFERENTIABLE = contextvars.ContextVar("moe_differentiable", default=False)
+
+
+@contextlib.contextmanager
+def differentiable_experts():
+    """While tracing inside, the experts run as ``ragged_dot`` on every backend (on CPU a
+    dense product with every expert: E times the FLOPs, but ``jax.grad`` goes through it)."""
+    token = _DIFFERENTIABLE.set(True)
+    try:
+        yield
+    finally:
+        _DIFFERENTIABLE.reset(token)
 
 
 def route(router_logits, top_k: int, normalize: bool):
@@ -53,11 +69,31 @@ def _scaled(y, scale):
     return y if scale is None else (y * scale).astype(y.dtype)
 
 
-def expert_mlp(x, experts, weights, scales, first_expert, expected_rows: int | None = None):
-    """The SiLU-gated expert MLPs of token copies. x: [A, D], experts: [A] int32 (global
+def glu(gate, up, swiglu: tuple[float, float] | None = None):
+    """The experts' gated activation: SiLU(gate) * up, or with ``swiglu`` = (alpha, limit)
+    GPT-OSS's clamped form: gate clamped above at limit, up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1)."""
+    if swiglu is None:
+        return jax.nn.silu(gate) * up
+    alpha, limit = swiglu
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return gate * jax.nn.sigmoid(gate * alpha) * (up + 1)
+
+
+def _biased(y, bias, rows):
+    """y [A, F] plus each row's expert bias (bias [E_l, F], rows [A] local ids); None: y."""
+    return y if bias is None else y + bias[rows].astype(y.dtype)
+
+
+def expert_mlp(x, experts, weights, scales, first_expert, expected_rows: int | None = None, biases=None,
+               swiglu=None):
+    """The gated expert MLPs of token copies. x: [A, D], experts: [A] int32 (global
     ids); weights = (gate [E_l, D, F_l], up [E_l, D, F_l], down [E_l, F_l, D]) hold
     experts ``first_expert .. first_expert + E_l - 1``; scales: None, or their int8
-    scales (gate / up [E_l, F_l], down [E_l, D]). Returns [A, D]: each copy through its
+    scales (gate / up [E_l, F_l], down [E_l, D]); biases: None, or (gate [E_l, F_l], up
+    [E_l, F_l], down [E_l, D]) added to each product (GPT-OSS); ``swiglu``: the
+    activation (``glu``). Returns [A, D]: each copy through its
     expert, zeros for copies whose expert is held elsewhere (they cost no expert FLOPs:
     they sort after every group). ``expected_rows``: about how many copies are this
     device's (sizes the CPU path's tiles; default A)."""
@@ -68,16 +104,18 @@ def expert_mlp(x, experts, weights, scales, first_expert, expected_rows: int | N
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
     xs = x[order]
-    if jax.default_backend() == "cpu":
+    if jax.default_backend() == "cpu" and not _DIFFERENTIABLE.get():
         tile = tile_rows(expected_rows or x.shape[0], num_local)
-        out = tiled_expert_mlp(xs, group_sizes, weights, scales, tile)
+        out = tiled_expert_mlp(xs, group_sizes, weights, scales, tile, biases=biases, swiglu=swiglu)
     else:  # TPU: megablox grouped GEMM; GPU: grouped GEMM
         row_group = jnp.minimum(key[order], num_local - 1)
         sg, su, sd = (None,) * 3 if scales is None else (s[row_group] for s in scales)
+        bg, bu, bd = (None,) * 3 if biases is None else biases
         wg, wu, wd = (w.astype(x.dtype) for w in weights)  # int8: the convert fuses into the operand
-        gate = _scaled(jax.lax.ragged_dot(xs, wg, group_sizes), sg)
-        up = _scaled(jax.lax.ragged_dot(xs, wu, group_sizes), su)
-        out = _scaled(jax.lax.ragged_dot((jax.nn.silu(gate) * up).astype(x.dtype), wd, group_sizes), sd)
+        gate = _biased(_scaled(jax.lax.ragged_dot(xs, wg, group_sizes), sg), bg, row_group)
+        up = _biased(_scaled(jax.lax.ragged_dot(xs, wu, group_sizes), su), bu, row_group)
+        out = _scaled(jax.lax.ragged_dot(glu(gate, up, swiglu).astype(x.dtype), wd, group_sizes), sd)
+        out = _biased(out, bd, row_group)
     # Rows past the last group are not defined by every ragged_dot lowering: zero them.
     out = jnp.where(mine[order][:, None], out, 0)
     return jnp.zeros_like(out).at[order].set(out)  # back to the copies' order
@@ -91,12 +129,12 @@ def tile_rows(num_rows: int, num_groups: int) -> int:
     return tile
 
 
-def tiled_expert_mlp(xs, group_sizes, weights, scales=None, tile: int | None = None):
+def tiled_expert_mlp(xs, group_sizes, weights, scales=None, tile: int | None = None, biases=None, swiglu=None):
     """The grouped expert MLP as a loop over row tiles (the CPU path: XLA:CPU lowers
     ``ragged_dot`` to a dense product with every group, E_l times the work).
 
     xs: [A, D] rows sorted by group; group_sizes: [E_l] int32 (rows past their sum are
-    left zero); weights, scales: as ``expert_mlp``. Each tile is ``tile`` rows of one
+    left zero); weights, scales, biases, swiglu: as ``expert_mlp``. Each tile is ``tile`` rows of one
     group through that group's weights, so the work is the real rows rounded up per
     group, and the loop runs only as many tiles as the groups need (a dynamic trip
     count; at most cdiv(A, tile) + E_l)."""
@@ -113,15 +151,18 @@ def tiled_expert_mlp(xs, group_sizes, weights, scales=None, tile: int | None = N
     # dynamic_slice would shift it onto other rows).
     xp = jnp.concatenate([xs, jnp.zeros((tile, d), xs.dtype)])
 
-    def mm(x, w, s, g):
-        return _scaled(x @ w[g].astype(x.dtype), None if s is None else s[g])
+    b_gate, b_up, b_down = (None,) * 3 if biases is None else biases
+
+    def mm(x, w, s, b, g):
+        y = _scaled(x @ w[g].astype(x.dtype), None if s is None else s[g])
+        return y if b is None else y + b[g].astype(y.dtype)
 
     def body(j, out):
         g = jnp.minimum(jnp.searchsorted(tile_ends, j, side="right"), num_groups - 1)
         row0 = starts[g] + (j - tile_starts[g]) * tile
         rows = jax.lax.dynamic_slice_in_dim(xp, row0, tile)
-        h = jax.nn.silu(mm(rows, w_gate, s_gate, g)) * mm(rows, w_up, s_up, g)
-        y = mm(h.astype(xs.dtype), w_down, s_down, g).astype(out.dtype)
+        h = glu(mm(rows, w_gate, s_gate, b_gate, g), mm(rows, w_up, s_up, b_up, g), swiglu)
+        y = mm(h.astype(xs.dtype), w_down, s_down, b_down, g).astype(out.dtype)
         valid = (row0 + jnp.arange(tile)) < ends[g]
         old = jax.lax.dynamic_slice_in_dim(out, row0, tile)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(valid[:, None], y, old), row0, 0)
@@ -130,12 +171,19 @@ def tiled_expert_mlp(xs, group_sizes, weights, scales=None, tile: int | None = N
     return out[:a]
 
 
-def _moe_local(x, router, weights, scales, *, top_k, normalize, first_expert):
+def _router_logits(x, router, router_bias):
+    """x [T, D] @ router [D, E] (+ router_bias [E], GPT-OSS) -> [T, E]."""
+    logits = x @ router
+    return logits if router_bias is None else logits + router_bias.astype(logits.dtype)
+
+
+def _moe_local(x, router, weights, scales, router_bias, biases, *, top_k, normalize, first_expert, swiglu):
     """One device's part: x [T, D] -> [T, D] partial sum of its experts (or mlp columns)."""
     t = x.shape[0]
-    gates, experts = route(x @ router, top_k, normalize)
+    gates, experts = route(_router_logits(x, router, router_bias), top_k, normalize)
     mine = t * top_k * weights[0].shape[0] // router.shape[1]  # copies routed here, on average
-    out = expert_mlp(jnp.repeat(x, top_k, axis=0), experts.reshape(-1), weights, scales, first_expert, mine)
+    out = expert_mlp(jnp.repeat(x, top_k, axis=0), experts.reshape(-1), weights, scales, first_expert, mine,
+                     biases=biases, swiglu=swiglu)
     return _combine(out, gates).astype(x.dtype)
 
 
@@ -145,14 +193,14 @@ def _combine(copies, gates):
     return jnp.sum(copies.reshape(t, k, -1).astype(jnp.float32) * gates[..., None], axis=1)
 
 
-def _moe_alltoall(x, router, weights, scales, *, top_k, normalize, axis, ep):
+def _moe_alltoall(x, router, weights, scales, router_bias, biases, *, top_k, normalize, axis, ep, swiglu):
     """Expert parallel by token exchange (see the module docstring); x [T, D] replicated
     over ``axis``, T a multiple of ``ep``."""
     t, d = x.shape
     me = jax.lax.axis_index(axis)
     num_local = weights[0].shape[0]
     mine = jax.lax.dynamic_slice_in_dim(x, me * (t // ep), t // ep)  # [Ts, D]
-    gates, experts = route(mine @ router, top_k, normalize)
+    gates, experts = route(_router_logits(mine, router, router_bias), top_k, normalize)
     c = mine.shape[0] * top_k  # copies per device: the most one destination can get
     copies = jnp.repeat(mine, top_k, axis=0)  # [C, D]
     flat = experts.reshape(-1)
@@ -163,23 +211,28 @@ def _moe_alltoall(x, router, weights, scales, *, top_k, normalize, axis, ep):
     send_expert = jnp.where(onehot, flat[None], -1)
     recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=False)  # [ep, C, D]: from each source
     recv_expert = jax.lax.all_to_all(send_expert, axis, 0, 0, tiled=False)
-    out = expert_mlp(recv.reshape(ep * c, d), recv_expert.reshape(-1), weights, scales, me * num_local, c)
+    out = expert_mlp(recv.reshape(ep * c, d), recv_expert.reshape(-1), weights, scales, me * num_local, c,
+                     biases=biases, swiglu=swiglu)
     back = jax.lax.all_to_all(out.reshape(ep, c, d), axis, 0, 0, tiled=False)  # [ep, C, D]: per owner
     done = jnp.sum(jnp.where(onehot[..., None], back, 0), axis=0)  # [C, D]
     return jax.lax.all_gather(_combine(done, gates).astype(x.dtype), axis, axis=0, tiled=True)
 
 
 def moe_block(x, router, weights, scales=None, *, top_k: int, normalize: bool, mesh: Mesh | None,
-              expert_parallel: bool, strategy: str = "allgather"):
+              expert_parallel: bool, strategy: str = "allgather", router_bias=None, biases=None, swiglu=None):
     """The MoE feed-forward of one layer. x: [T, D] (split over 'data' with data
     parallelism); router: [D, E]; weights = (gate [E, D, F], up [E, D, F], down
     [E, F, D]), laid out over 'model' by experts (``expert_parallel``) or by F; scales:
-    None, or their int8 scales ([E, F], [E, F], [E, D]). Returns [T, D]."""
-    kw = dict(top_k=top_k, normalize=normalize)
+    None, or their int8 scales ([E, F], [E, F], [E, D]). GPT-OSS adds ``router_bias``
+    [E], ``biases`` = (gate [E, F], up [E, F], down [E, D]) laid out as the weights'
+    output axes, and its clamped activation ``swiglu`` = (alpha, limit) (``glu``).
+    Returns [T, D]."""
+    kw = dict(top_k=top_k, normalize=normalize, swiglu=swiglu)
     weights = tuple(weights)
     scales = tuple(scales) if scales is not None else None
+    biases = tuple(biases) if biases is not None else None
     if mesh is None or mesh.size == 1:
-        return _moe_local(x, router, weights, scales, first_expert=0, **kw)
+        return _moe_local(x, router, weights, scales, router_bias, biases, first_expert=0, **kw)
     tp = mesh.shape["model"]
     tokens = P("data", None)
     if expert_parallel:
@@ -187,19 +240,25 @@ def moe_block(x, router, weights, scales=None, *, top_k: int, normalize: bool, m
     else:
         w_specs = (P(None, None, "model"), P(None, None, "model"), P(None, "model", None))
         s_specs = (P(None, "model"), P(None, "model"), P(None, None))
-    in_specs = (tokens, P(), w_specs, s_specs if scales is not None else None)
+    in_specs = (tokens, P(), w_specs, s_specs if scales is not None else None,
+                None if router_bias is None else P(), s_specs if biases is not None else None)
     if expert_parallel and strategy == "alltoall" and tp > 1:
         if (x.shape[0] // mesh.shape["data"]) % tp:  # each device takes an equal share
             raise ValueError(f"the all-to-all exchange needs each rank's tokens to be a multiple of {tp}")
         local = functools.partial(_moe_alltoall, axis="model", ep=tp, **kw)
     else:
-        def local(x, router, weights, scales):
+        def local(x, router, weights, scales, router_bias, biases):
             first = jax.lax.axis_index("model") * weights[0].shape[0] if expert_parallel else 0
-            part = _moe_local(x, router, weights, scales, first_expert=first, **kw)
+            if biases is not None and not expert_parallel:
+                # Split by F, every device adds a partial down product: the down bias
+                # belongs to one of them only (the psum adds the rest).
+                first_rank = jax.lax.axis_index("model") == 0
+                biases = (biases[0], biases[1], jnp.where(first_rank, biases[2], jnp.zeros_like(biases[2])))
+            part = _moe_local(x, router, weights, scales, router_bias, biases, first_expert=first, **kw)
             return jax.lax.psum(part, "model")
 
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tokens,
-                         check_vma=False)(x, router, weights, scales)
+                         check_vma=False)(x, router, weights, scales, router_bias, biases)
 
 
 # Axis sizes of the expert params, as ModelArchConfig fields.

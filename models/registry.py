@@ -11,6 +11,7 @@ import importlib
 _MODEL_REGISTRY = {
     "Gemma2ForCausalLM": ("models.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("models.gemma3", "Gemma3ForCausalLM"),
+    "GptOssForCausalLM": ("models.gpt_oss", "GptOssForCausalLM"),
     "LlamaForCausalLM": ("models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("models.mistral", "MistralForCausalLM"),
     "MixtralForCausalLM": ("models.mixtral", "MixtralForCausalLM"),

@@ -1,5 +1,5 @@
-"""Rotary position embeddings (HF's rotate-half layout), incl. linear, llama3 and
-LongRoPE (Phi-3) scaling, and partial rotary (the first ``partial_rotary_factor`` of
+"""Rotary position embeddings (HF's rotate-half layout), incl. linear, llama3, YaRN
+(GPT-OSS, DeepSeek) and LongRoPE (Phi-3) scaling, and partial rotary (the first ``partial_rotary_factor`` of
 each head rotates, the rest passes)."""
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
         return (1.0 / (factors * theta ** exponents)).astype(np.float32)
     if rope_type == "linear":
         return inv_freq / scaling["factor"]
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, dim, theta, scaling)
     if rope_type == "llama3":
         factor = scaling["factor"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -39,7 +41,40 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
-    raise ValueError(f"rope_type {rope_type!r} is not supported (default, linear, llama3, longrope)")
+    raise ValueError(f"rope_type {rope_type!r} is not supported (default, linear, llama3, yarn, longrope)")
+
+
+def _yarn_inv_freq(inv_freq, dim: int, theta: float, scaling: dict) -> np.ndarray:
+    """YaRN (arXiv 2309.00071), as HF computes it: the frequencies that turn fewer than
+    ``beta_slow`` times over the trained length are interpolated (divided by ``factor``),
+    those that turn more than ``beta_fast`` times kept, a linear ramp over the dims between
+    (its ends rounded outwards unless ``truncate`` is false)."""
+    factor = scaling.get("factor")
+    if not factor:
+        raise ValueError("rope_scaling: yarn needs factor (or max_position_embeddings / "
+                         "original_max_position_embeddings)")
+    original = scaling.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("rope_scaling: yarn needs original_max_position_embeddings (the trained length)")
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
+    return (inv_freq / factor * (1 - keep) + inv_freq * keep).astype(np.float32)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term, 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def longrope_settings(scaling: dict, max_model_len: int) -> dict:
@@ -53,11 +88,18 @@ def longrope_settings(scaling: dict, max_model_len: int) -> dict:
 
 
 def rope_attention_factor(scaling: dict, max_position_embeddings: int) -> float:
-    """The factor LongRoPE multiplies cos / sin by (HF's attention_factor; 1.0 for the others)."""
-    if scaling.get("rope_type") != "longrope":
+    """The factor LongRoPE and YaRN multiply cos / sin by (HF's attention_factor; 1.0 for
+    the others)."""
+    if scaling.get("rope_type") not in ("longrope", "yarn"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if scaling["rope_type"] == "yarn":
+        factor = scaling["factor"]
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        return yarn_mscale(factor)
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or max_position_embeddings / original
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))

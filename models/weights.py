@@ -173,12 +173,17 @@ class _ShardReader:
         dst = tuple(spans) if all(s is not None for s in spans) else np.ix_(*where)
         if w.transpose:
             ck_index = ck_index[::-1]
-        if w.row_offset is not None:  # our rows are a block of a fused tensor's
-            off = dim_size(checkpoint_arch(self.arch), w.row_offset)
-            ck_index[0] = slice(ck_index[0].start + off, ck_index[0].stop + off)
+        fused = 0 if w.transpose else len(ck_index) - 1  # the checkpoint's output axis
+        if w.row_offset is not None:  # our rows are a block (or a stride) of a fused tensor's
+            off, k = dim_size(checkpoint_arch(self.arch), w.row_offset), w.fused_stride
+            a, b = ck_index[fused].start, ck_index[fused].stop
+            # Read the span that holds them, keep every k-th row.
+            ck_index[fused] = slice(a * k + off, (b - 1) * k + off + 1)
         for idx in itertools.product(*(range(a, b) for a, b in bounds[:ns])):
             names = idx if self.layers is None else (self.layers[idx[0]], *idx[1:])
             data = self.ckpt.read(w.hf_name.format(**dict(zip(w.stacked, names))), tuple(ck_index))
+            if w.fused_stride > 1:
+                data = data[(slice(None),) * fused + (slice(None, None, w.fused_stride),)]
             if w.transpose:
                 data = data.T
             for axis, rel in gathers:
@@ -198,8 +203,9 @@ def checkpoint_tensors(arch: ModelArchConfig,
     for param, w in model_cls.weight_map(stored).items():
         want = w.shape(stored)[len(w.stacked):]
         want = tuple(want[::-1] if w.transpose else want)
-        if w.fused_rows is not None:
-            want = (dim_size(stored, w.fused_rows), *want[1:])
+        if w.fused_rows is not None:  # the output axis: first when transposed, else last
+            rows = dim_size(stored, w.fused_rows)
+            want = (rows, *want[1:]) if w.transpose else (*want[:-1], rows)
         for idx, name in w.tensor_names(stored):
             out.setdefault(name, []).append((param, idx, want))
     return out

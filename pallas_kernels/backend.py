@@ -4,17 +4,19 @@
 ``build_attention`` is what a model step calls per layer: write the new tokens' K/V,
 then ragged paged attention, under ``shard_map`` when the mesh splits heads::
 
-    attention(q [T, N, H], k [T, K, H], v [T, K, H], kv_cache [L, P, S, 2K, H], layer, md)
-        -> (o [T, N, H], kv_cache)
+    attention(q [T, N, H], k [T, K, H], v [T, K, H], kv_cache [L, P, S, 2K, H], layer, md,
+              sinks=None) -> (o [T, N, H], kv_cache)
 
 (``md``: the step's AttentionMetadata: slot_mapping [T, G], seq_lens, query_start_loc,
 block_tables [R, G, Pmax], num_seqs; G: the KV cache groups.) ``get_attention_fn`` is the kernel alone; every kernel has the
 reference's signature::
 
     fn(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-       sm_scale, sliding_window=None, soft_cap=None, layer=None) -> o
+       sm_scale, sliding_window=None, soft_cap=None, layer=None, sinks=None) -> o
 
-(``layer``: kv_cache is stacked [L, P, S, 2K, H] and layer ``layer`` is read in place.)
+(``layer``: kv_cache is stacked [L, P, S, 2K, H] and layer ``layer`` is read in place;
+``sinks``: [N] float32 attention sinks, one logit per query head in every softmax's
+denominator, reference.sink_factor.)
 """
 from __future__ import annotations
 
@@ -136,11 +138,11 @@ def _attention_fn(backend: str, plat: str, interpret, batch_invariant: bool = Fa
 
 def native_or_reference(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float,
                         sliding_window: int | None = None, soft_cap: float | None = None, layer=None,
-                        fixed_order: bool = False):
+                        fixed_order: bool = False, sinks=None):
     """The "native" backend's kernel: the CPU kernel where it takes q's and the cache's
     dtypes and head dim (pallas_kernels/cpu.py), the reference otherwise (an error in
     batch-invariant mode, ``fixed_order``, which the reference cannot keep)."""
-    common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)
+    common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer, sinks=sinks)
     if cpu.supports(q, kv_cache):
         return cpu.ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                                           fixed_order=fixed_order, **common)
@@ -203,16 +205,18 @@ def build_attention(spec: AttentionSpec, mesh: Mesh | None, *, sm_scale: float, 
     else:
         windows = tuple(bool(w) for w in sliding_window_layers)
 
-    def run(window, q, kv_cache, layer, md):
+    def run(window, q, kv_cache, layer, md, sinks):
+        # A sink is a logit: k_scale (a float8 cache's, folded into sm_scale) does not touch it.
         o = attend(q, kv_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs.reshape(()),
-                   sm_scale=sm_scale * k_scale, sliding_window=window, soft_cap=soft_cap, layer=layer)
+                   sm_scale=sm_scale * k_scale, sliding_window=window, soft_cap=soft_cap, layer=layer,
+                   sinks=sinks)
         return o if v_scale == 1.0 else (o * v_scale).astype(o.dtype)
 
     def lookup(table, layer):
         """table[layer] for a Python int layer (unrolled) or a traced one (the layer scan)."""
         return table[layer] if isinstance(layer, int) else jnp.asarray(table, jnp.int32)[layer]
 
-    def local(q, k, v, kv_cache, layer, md):
+    def local(q, k, v, kv_cache, layer, md, sinks=None):
         if k_scale != 1.0 or v_scale != 1.0:
             k, v = k / k_scale, v / v_scale
         group = 0 if layer_group is None else lookup(layer_group, layer)
@@ -220,18 +224,28 @@ def build_attention(spec: AttentionSpec, mesh: Mesh | None, *, sm_scale: float, 
         md = dataclasses.replace(md, slot_mapping=md.slot_mapping[:, group], block_tables=md.block_tables[:, group])
         kv_cache = write(kv_cache, k, v, md.slot_mapping, layer=slot)
         if windows is None:
-            o = run(sliding_window, q, kv_cache, slot, md)
+            o = run(sliding_window, q, kv_cache, slot, md, sinks)
         elif isinstance(layer, int):
-            o = run(sliding_window if windows[layer] else None, q, kv_cache, slot, md)
+            o = run(sliding_window if windows[layer] else None, q, kv_cache, slot, md, sinks)
         else:
             kind = jnp.asarray(windows, jnp.int32)[layer]
             o = jax.lax.switch(kind, [functools.partial(run, None), functools.partial(run, sliding_window)],
-                               q, kv_cache, slot, md)
+                               q, kv_cache, slot, md, sinks)
         return o, kv_cache
 
     if mesh is None or mesh.size == 1:
         return local
     heads = _HEADS_PARTITION
     md_specs = AttentionMetadata(*(_ROWS_PARTITION,) * 5)
-    return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, KV_CACHE_PARTITION, P(), md_specs),
-                         out_specs=(heads, KV_CACHE_PARTITION), check_vma=False)
+    specs = (heads, heads, heads, KV_CACHE_PARTITION, P(), md_specs)
+    plain = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(heads, KV_CACHE_PARTITION), check_vma=False)
+    # Sinks [N] split over 'model' as the query heads are.
+    with_sinks = jax.shard_map(local, mesh=mesh, in_specs=specs + (P("model"),),
+                               out_specs=(heads, KV_CACHE_PARTITION), check_vma=False)
+
+    def sharded(q, k, v, kv_cache, layer, md, sinks=None):
+        if sinks is None:
+            return plain(q, k, v, kv_cache, layer, md)
+        return with_sinks(q, k, v, kv_cache, layer, md, sinks)
+
+    return sharded

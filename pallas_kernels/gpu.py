@@ -50,6 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.inputs import compute_dtype, layer_index, validate_inputs
+from pallas_kernels.reference import sink_factor
 
 _KV_BLOCK = 64  # keys per inner-loop iteration
 _MIN_DOT = 16  # Triton's minimum matmul dimension
@@ -197,7 +198,7 @@ def _work_items(cu_q_lens, kv_lens, num_seqs, num_items: int, bq: int):
     return jnp.stack([seq, q0, rows, pos0, kv_lens[seq]], axis=1).astype(jnp.int32)
 
 
-def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, *, rows, kv_splits, sm_scale,
+def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, sinks, *, rows, kv_splits, sm_scale,
             sliding_window, soft_cap, interpret, num_warps, num_stages):
     t, n, h = q.shape
     two_k = kv_cache.shape[-2]
@@ -229,12 +230,19 @@ def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, *, r
     )(items, page_indices, layer, q, kv_cache)
     o, m, l = o[:, :t], m[:, :t], l[:, :t]
     if kv_splits == 1:
-        return o[0]
-    # Merge the splits (log-sum-exp); splits that saw no key have m = -inf, l = 0.
-    m_all = jnp.max(m, axis=0)
-    w = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - jnp.where(m_all == -jnp.inf, 0.0, m_all)[None])) * l
-    l_all = jnp.sum(w, axis=0)
-    o = jnp.sum(w[..., None] * o, axis=0) / jnp.where(l_all == 0.0, 1.0, l_all)[..., None]
+        o, m, l = o[0], m[0], l[0]
+        if sinks is None:
+            return o
+    else:
+        # Merge the splits (log-sum-exp); splits that saw no key have m = -inf, l = 0.
+        m_all = jnp.max(m, axis=0)
+        m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+        w = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - m_safe[None])) * l
+        l_all = jnp.sum(w, axis=0)
+        o = jnp.sum(w[..., None] * o, axis=0) / jnp.where(l_all == 0.0, 1.0, l_all)[..., None]
+        m, l = m_safe, l_all
+    if sinks is not None:
+        o = o.astype(jnp.float32) * sink_factor(m, l, jnp.asarray(sinks, jnp.float32))[..., None]
     return o.astype(q.dtype)
 
 
@@ -268,6 +276,7 @@ def ragged_paged_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     layer=None,
+    sinks=None,
 ):
     """Triton-style Pallas ragged paged attention; same arguments and result as the reference.
 
@@ -278,6 +287,8 @@ def ragged_paged_attention(
     configuration for every step (no decode / prefill dispatch; ``kv_splits`` or 1).
     ``layer`` (int32 scalar): ``kv_cache`` is the stacked [L, P, S, 2K, H] cache of a
     layer scan, read in place (a ``kv_cache[layer]`` slice would be a full copy).
+    ``sinks`` [N] float32: attention sinks, applied to the merged softmax outside the
+    kernel (its m and l are outputs anyway; reference.sink_factor).
     """
     validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, sliding_window=sliding_window, soft_cap=soft_cap)
     layer = layer_index(kv_cache, layer)
@@ -291,13 +302,13 @@ def ragged_paged_attention(
                   num_warps=num_warps, num_stages=num_stages)
 
     def decode():
-        return _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, rows=_MIN_DOT, kv_splits=splits, **common)
+        return _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, sinks, rows=_MIN_DOT, kv_splits=splits, **common)
 
     def prefill():
-        return _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, rows=_PREFILL_ROWS, kv_splits=1, **common)
+        return _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, sinks, rows=_PREFILL_ROWS, kv_splits=1, **common)
 
     if rows_per_block is not None:
-        o = _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, rows=rows_per_block,
+        o = _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, sinks, rows=rows_per_block,
                     kv_splits=kv_splits or 1, **common)
     else:
         q_lens = cu_q_lens[1:] - cu_q_lens[:-1]

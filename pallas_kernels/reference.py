@@ -128,6 +128,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     layer=None,
+    sinks=None,
 ):
     """Causal attention of a ragged batch of queries against a paged KV cache.
 
@@ -138,6 +139,8 @@ def ragged_paged_attention(
     ``kv_lens[r] - q_len[r] + i`` and sees keys at positions <= its own.
     With ``layer`` given, kv_cache is [L, P, S, 2K, H] and layer ``layer`` is read
     (pages are gathered straight from the stacked cache, no per-layer slice copy).
+    ``sinks`` [N] float32 (GPT-OSS's attention sinks): one learned logit per query head
+    that joins every softmax's denominator and attends to nothing (``sink_factor``).
     Returns o: [T, N, H] in q's dtype; padded tokens get zeros.
     """
     t, n, h = q.shape
@@ -154,18 +157,19 @@ def ragged_paged_attention(
     qs = (q.astype(jnp.float32) * sm_scale).reshape(t, k_heads, n // k_heads, h)
 
     kw = dict(sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)
+    sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(k_heads, n // k_heads)
     if t <= r:
         # Decode-sized steps: every query against its pages, one (token, page) pair at a time.
-        _, l, acc = _attend_pairs(qs, kv_cache, page_indices, req_c, valid_tok, tok_pos, **kw)
-        return _normalize(l, acc).reshape(t, n, h).astype(q.dtype)
+        m, l, acc = _attend_pairs(qs, kv_cache, page_indices, req_c, valid_tok, tok_pos, **kw)
+        return _finish(m, l, acc, sinks).reshape(t, n, h).astype(q.dtype)
     if t < _SPLIT_TOKENS:
         # Smaller steps: one pass over the pages, every query up to its own position, in
         # blocks of _Q_BLOCK. Splitting off this step's tokens pays for prefill-sized
         # steps; one pass compiles in about a quarter of the time (1.0-1.4 against 4.2 s
         # per program on the CI VM).
-        _, l, acc = _attend_paged(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, req_c, valid_tok,
+        m, l, acc = _attend_paged(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, req_c, valid_tok,
                                   tok_pos, bq=_Q_BLOCK, through_own=True, **kw)
-        return _normalize(l, acc).reshape(t, n, h).astype(q.dtype)
+        return _finish(m, l, acc, sinks).reshape(t, n, h).astype(q.dtype)
 
     m1, l1, acc1 = _attend_step_tokens(qs, kv_cache, page_indices, cu_q_lens, req, req_c, valid_tok, tok_pos, **kw)
     # The prefix part in two passes: requests with a few queries (decode rows) in blocks
@@ -182,8 +186,23 @@ def ragged_paged_attention(
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     a1 = jnp.where(jnp.isfinite(m1), jnp.exp(m1 - m_safe), 0.0)
     a2 = jnp.where(jnp.isfinite(m2), jnp.exp(m2 - m_safe), 0.0)
-    acc = _normalize(a1 * l1 + a2 * l2, a1[..., None] * acc1 + a2[..., None] * acc2)
+    acc = _finish(m_safe, a1 * l1 + a2 * l2, a1[..., None] * acc1 + a2[..., None] * acc2, sinks)
     return acc.reshape(t, n, h).astype(q.dtype)
+
+
+def sink_factor(m, l, sinks):
+    """What attention sinks [K, G] (or [N]: broadcast as m's last axes) do to a softmax's
+    normalised output: with running max m and sum l ([..., K, G]), the sink adds
+    exp(sink - m) to l, so o = acc / l scales by l / (l + exp(sink - m)) =
+    1 / (1 + exp(sink - lse)), lse = m + log l; 0 where nothing was attended (l = 0)."""
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    return 1.0 / (1.0 + jnp.exp(sinks - lse))
+
+
+def _finish(m, l, acc, sinks):
+    """The output [..., K, G, H] of a softmax state: acc / l, scaled by the sinks if any."""
+    o = _normalize(l, acc)
+    return o if sinks is None else o * sink_factor(m, l, sinks)[..., None]
 
 
 def _normalize(l, acc):

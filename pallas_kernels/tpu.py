@@ -131,6 +131,7 @@ def _rpa_kernel(
     seq_lo_ref,  # [num_q_blocks]: first request overlapping the block
     seq_hi_ref,  # [num_q_blocks]: one past the last
     layer_ref,  # [1]: layer of a stacked cache (unused otherwise)
+    sinks_ref,  # [N] f32 attention sinks ([1] unused without them)
     # Inputs.
     q_ref,  # [bq, N, H] (VMEM block)
     kv_hbm,  # [P, S, 2K, H] or stacked [L, P, S, 2K, H] (HBM)
@@ -148,6 +149,7 @@ def _rpa_kernel(
     soft_cap: float | None,
     pages_per_seq: int,
     hardware: bool,
+    has_sinks: bool,
 ):
     bq, num_heads, head_dim = q_ref.shape
     _, npb, page_size, two_k, _ = kv_bufs.shape
@@ -291,6 +293,19 @@ def _rpa_kernel(
 
         lax.while_loop(lambda st: st[0] < seq_hi, body, (seq0, blk0, jnp.int32(0)))
 
+    if has_sinks:
+        # Each row's sink joins its softmax's denominator: acc / l becomes acc / (l +
+        # exp(sink - m)) (reference.sink_factor). Row i * G + g is query head h * G + g.
+        member = lax.broadcasted_iota(jnp.int32, (rows, 1), 0) % groups
+        for h in range(k_heads):
+            sink = jnp.zeros((rows, 1), jnp.float32)
+            for g in range(groups):
+                sink = jnp.where(member == g, sinks_ref[h * groups + g], sink)
+            m, l = m_ref[h][:, :1], l_ref[h][:, :1]
+            lse = jnp.where(l > 0.0, m + jnp.log(jnp.where(l > 0.0, l, 1.0)), -jnp.inf)
+            factor = 1.0 / (1.0 + jnp.exp(sink - lse))
+            acc = acc_ref[:, h * groups : (h + 1) * groups, :].reshape(rows, head_dim)
+            acc_ref[:, h * groups : (h + 1) * groups, :] = (acc * factor).reshape(bq, groups, head_dim)
     o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
@@ -307,7 +322,7 @@ def _block_seq_ranges(cu_q_lens, num_seqs, num_q_blocks: int, bq: int):
     return seq_lo, seq_hi
 
 
-def _attend(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, layer, *, bq, npb, pages_per_seq,
+def _attend(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, layer, sinks, *, bq, npb, pages_per_seq,
             sm_scale, sliding_window, soft_cap, interpret, vmem_limit_bytes):
     t, n, h = q.shape
     _, page_size, two_k, _ = kv_cache.shape[-4:]
@@ -327,12 +342,14 @@ def _attend(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, layer, *, bq,
         soft_cap=soft_cap,
         pages_per_seq=pages_per_seq,
         hardware=interpret is False or interpret is None,
+        has_sinks=sinks is not None,
     )
+    sinks = jnp.zeros((1,), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(n)
     q_spec = pl.BlockSpec((bq, n, h), lambda i, *_: (i, 0, 0))
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=7,
+            num_scalar_prefetch=8,
             grid=(num_q_blocks,),
             in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=q_spec,
@@ -352,7 +369,7 @@ def _attend(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, layer, *, bq,
         ),
         interpret=interpret,
         name=f"ragged_paged_attention_bq{bq}_p{npb}",
-    )(kv_lens, pages_flat, cu_q_lens, num_seqs, seq_lo, seq_hi, layer, q, kv_cache)
+    )(kv_lens, pages_flat, cu_q_lens, num_seqs, seq_lo, seq_hi, layer, sinks, q, kv_cache)
     return out[:t]
 
 
@@ -379,6 +396,7 @@ def ragged_paged_attention(
     num_kv_pages_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
     layer=None,
+    sinks=None,
 ):
     """Mosaic TPU ragged paged attention; same arguments and result as the reference.
 
@@ -390,6 +408,8 @@ def ragged_paged_attention(
     ``layer`` (int32 scalar): ``kv_cache`` is the stacked [L, P, S, 2K, H] cache of a
     layer scan and pages are fetched from ``kv_cache[layer]`` in place (passing the
     slice ``kv_cache[layer]`` instead would copy the layer's whole cache every step).
+    ``sinks`` [N] float32: attention sinks (SMEM scalars, applied at the end;
+    reference.sink_factor).
     """
     validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, sliding_window=sliding_window, soft_cap=soft_cap)
     layer = layer_index(kv_cache, layer)
@@ -416,7 +436,7 @@ def ragged_paged_attention(
         else:
             limit = vmem_limit_bytes
         return _attend(
-            q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, layer, bq=bq, npb=npb,
+            q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, layer, sinks, bq=bq, npb=npb,
             pages_per_seq=pages_per_seq, sm_scale=sm_scale, sliding_window=sliding_window,
             soft_cap=soft_cap, interpret=interpret, vmem_limit_bytes=limit,
         )

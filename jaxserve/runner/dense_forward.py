@@ -35,6 +35,7 @@ from jaxserve.runner.programs import traced_products
 from jaxserve.sample.sampler import compute_logprobs
 from models.config import attention_settings
 from pallas_kernels.attention_metadata import AttentionMetadata
+from models.moe import differentiable_experts
 from models.quantization import native_products
 from pallas_kernels.backend import build_attention
 
@@ -83,11 +84,12 @@ def causal_attention(sm_scale: float, sliding_window: int | None = None, sliding
     """The model's ``attention_fn`` for one whole sequence, dense and differentiable:
     q [T, N, H], k / v [T, K, H] -> o [T, N, H] (grouped-query heads; causal; a window of
     ``sliding_window`` keys on the layers ``sliding_window_layers`` marks, all when None;
-    Gemma's score soft cap). No KV cache: the one passed through comes back as it is."""
+    Gemma's score soft cap; GPT-OSS's ``sinks`` [N], one more logit per head in each
+    softmax). No KV cache: the one passed through comes back as it is."""
     windows = None if sliding_window is None or sliding_window_layers is None else tuple(
         bool(w) for w in sliding_window_layers)
 
-    def attention(q, k, v, kv_cache, layer, md):
+    def attention(q, k, v, kv_cache, layer, md, sinks=None):
         t, n, h = q.shape
         kh = k.shape[1]
         qf = q.astype(jnp.float32).reshape(t, kh, n // kh, h)
@@ -101,7 +103,12 @@ def causal_attention(sm_scale: float, sliding_window: int | None = None, sliding
             if windows is not None:  # only some layers slide (layer: an int, or traced in the scan)
                 near = near | ~jnp.asarray(windows)[layer]
             mask = mask & near
-        p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+        s = jnp.where(mask, s, -jnp.inf)
+        if sinks is None:
+            p = jax.nn.softmax(s, axis=-1)
+        else:  # the sink joins the softmax and is dropped after it
+            sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(kh, n // kh, 1, 1), s.shape[:-1] + (1,))
+            p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
         o = jnp.einsum("kgts,skh->tkgh", p, v.astype(jnp.float32))
         return o.reshape(t, n, h).astype(q.dtype), kv_cache
 
@@ -118,7 +125,8 @@ def _trainable_logprobs(runner) -> Callable:
         t = token_ids.shape[0]
         positions = jnp.arange(t, dtype=jnp.int32)
         model = nnx.merge(graphdef, nnx.merge_state(rest, params))
-        with native_products(False):  # XLA's products: the native kernel has no gradient
+        # XLA's products and ragged_dot experts: the native kernel and the CPU experts' tile loop have no gradient.
+        with native_products(False), differentiable_experts():
             hidden, _ = model(token_ids, positions, jnp.zeros((1,), jnp.float32), None, attention)
             logits = model.compute_logits(hidden)
         lse = jax.nn.logsumexp(logits[:-1], axis=-1)

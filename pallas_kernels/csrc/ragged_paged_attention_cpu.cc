@@ -77,6 +77,7 @@ struct Problem {
   int32_t cache_kind;
   int64_t elem_bytes;
   const float* lut;  // [256] for kCacheByteLut
+  const float* sinks;  // [N] attention sinks (GPT-OSS), or nullptr: none
   int64_t num_pages, page_size, two_k, n_heads, groups, head_dim, pmax;
   const int32_t* page_indices;
   float sm_scale, soft_cap;  // soft_cap 0: none
@@ -362,7 +363,13 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
   // Normalise and store.
   for (int64_t row = 0; row < heads * head_rows; ++row) {
     const int64_t off = q_offset(row);
-    const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+    // A sink adds exp(sink - m) to the denominator (l is relative to the row's max m).
+    float denom = l[row];
+    if (p.sinks != nullptr && denom > 0.0f) {
+      const int64_t head = (it.kh0 + row / head_rows) * g + row % g;
+      denom += std::exp(p.sinks[head] - m[row]);
+    }
+    const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
     const float* a = acc + row * hp;
     if (p.bf16_q) {
       uint16_t* d = static_cast<uint16_t*>(p.o) + off;
@@ -409,8 +416,9 @@ void work(const Problem& p, const Item* items, Shared& sh) {
 ffi::Error Attention(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> kv_lens,
                      ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
                      ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> lut,
-                     ffi::Result<ffi::AnyBuffer> out, ffi::ThreadPool pool, float sm_scale, int64_t sliding_window,
-                     float soft_cap, int32_t cache_kind, int32_t fixed_order) {
+                     ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out, ffi::ThreadPool pool,
+                     float sm_scale, int64_t sliding_window, float soft_cap, int32_t cache_kind, int32_t fixed_order,
+                     int32_t has_sinks) {
   const auto qd = q.dimensions();
   const auto cd = kv_cache.dimensions();
   if (qd.size() == 3 && qd[2] > kLanes * kMaxHeadVectors)
@@ -430,6 +438,9 @@ ffi::Error Attention(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi:
   p.cache_kind = cache_kind;
   p.elem_bytes = cache_kind == kCacheF32 ? 4 : cache_kind == kCacheBF16 ? 2 : 1;
   p.lut = lut.typed_data();
+  if (has_sinks && int64_t(sinks.element_count()) != n)
+    return ffi::Error::InvalidArgument("sinks must have one entry per query head");
+  p.sinks = has_sinks ? sinks.typed_data() : nullptr;
   p.num_pages = num_pages;
   p.page_size = page_size;
   p.two_k = two_k;
@@ -504,10 +515,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpu, Attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::F32>>()  // lut
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks ([N], or [1] unused)
                                   .Ret<ffi::AnyBuffer>()         // o
                                   .Ctx<ffi::ThreadPool>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
                                   .Attr<int32_t>("cache_kind")
-                                  .Attr<int32_t>("fixed_order"));
+                                  .Attr<int32_t>("fixed_order")
+                                  .Attr<int32_t>("has_sinks"));

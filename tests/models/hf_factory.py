@@ -56,6 +56,16 @@ def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv
         else:
             cfg = transformers.Gemma3TextConfig(**gemma)
             model = transformers.Gemma3ForCausalLM(cfg)
+    elif arch == "gpt_oss":
+        # 8 experts, top 2, a window of 8 on the even layers, YaRN (trained length 64);
+        # the eager attention (HF's sdpa path has no sinks).
+        gpt = dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=8,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
+        gpt.update({k: v for k, v in common.items() if k not in gpt})
+        cfg = transformers.GptOssConfig(**gpt)
+        cfg._attn_implementation = "eager"
+        model = transformers.GptOssForCausalLM(cfg)
     elif arch in MOE_ARCHS:
         # 8 experts, top 2 (MoE parity needs >= 8 experts); small expert mlp dims.
         moe = dict(num_experts_per_tok=2, **{k: v for k, v in config_kw.items() if k in _MOE_KEYS})
@@ -77,10 +87,12 @@ def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv
     # greedy choices have margins worth comparing.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.mul_(4.0)
-            elif name.endswith("bias"):  # HF initialises biases to zero: a mapping bug would hide
+            if name.endswith("bias"):  # HF initialises biases to zero: a mapping bug would hide
                 p.normal_(0, 0.5)
+            elif name.endswith("sinks"):  # GPT-OSS: one logit per head, about the scores' size
+                p.normal_(0, 1.0)
+            elif p.dim() >= 2:
+                p.mul_(4.0)
             elif arch.startswith("gemma") and name.endswith("norm.weight"):  # (1 + w) norms start at w = 0
                 p.normal_(0, 0.3)
     model = model.float().eval()

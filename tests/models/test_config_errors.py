@@ -24,7 +24,10 @@ def cfg(**kw):
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
     (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=4),
      "use_sliding_window=true"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type 'yarn' is not supported"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn needs original_max_position_embeddings"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "rope_type 'dynamic' is not supported"),
+    (dict(architectures=["GptOssForCausalLM"], num_local_experts=4, num_experts_per_tok=2,
+          quantization_config={"quant_method": "mxfp4"}), "'mxfp4'-quantized experts are not supported yet"),
 ])
 def test_unsupported_variants(kw, message):
     with pytest.raises(ValueError, match=message):

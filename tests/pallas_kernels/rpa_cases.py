@@ -88,8 +88,9 @@ def make_batch(
     )
 
 
-def naive_attention(batch: Batch, *, sm_scale, sliding_window=None, soft_cap=None) -> np.ndarray:
-    """Float64 loop over requests and tokens: the oracle of the reference."""
+def naive_attention(batch: Batch, *, sm_scale, sliding_window=None, soft_cap=None, sinks=None) -> np.ndarray:
+    """Float64 loop over requests and tokens: the oracle of the reference. ``sinks`` [N]:
+    one more logit per head in each softmax, with no value (HF's GPT-OSS attention)."""
     q = np.asarray(batch.q, np.float64)
     cache = np.asarray(jnp.asarray(batch.kv_cache, jnp.float32), np.float64)
     page_indices = np.asarray(batch.page_indices)
@@ -113,8 +114,10 @@ def naive_attention(batch: Batch, *, sm_scale, sliding_window=None, soft_cap=Non
                 s = keys[lo : pos + 1, kh] @ q[tok, head] * sm_scale
                 if soft_cap is not None:
                     s = soft_cap * np.tanh(s / soft_cap)
-                p = np.exp(s - s.max())
-                out[tok, head] = p @ vals[lo : pos + 1, kh] / p.sum()
+                top = s.max() if sinks is None else max(s.max(), float(sinks[head]))
+                p = np.exp(s - top)
+                denom = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[head]) - top))
+                out[tok, head] = p @ vals[lo : pos + 1, kh] / denom
     return out
 
 

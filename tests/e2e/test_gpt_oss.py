@@ -1,0 +1,93 @@
+"""GPT-OSS (models/gpt_oss.py) against HF transformers (f32): attention sinks, sliding /
+full layers alternating, YaRN past the trained length, MoE with router and expert biases
+and the clamped SwiGLU; the engine modes (chunked prefill, prefix-cache hits,
+preemption); each attention backend; tensor and expert parallel."""
+import numpy as np
+import pytest
+from jaxserve import SamplingParams
+from hf_reference import HFReference, assert_greedy_match
+from test_parity_hf import make_llm, prompts
+from test_phi3 import check_greedy, check_prompt_logprobs
+
+pytestmark = pytest.mark.slow
+
+
+def test_gpt_oss_matches_hf(tiny_models):
+    """Prompts past the window (8) and past YaRN's trained length (64)."""
+    path = tiny_models("gpt_oss", kv_heads=2)
+    llm = make_llm(path)
+    arch = llm.llm_engine.model_runner.arch
+    assert arch.attention_sinks and arch.sliding_window_layers == (True, False)
+    check_greedy(path, llm, prompts(1, [5, 17, 70, 3]))
+    check_prompt_logprobs(path, llm, prompts(5, [80])[0])
+
+
+def _hf_logprobs(path, ids):
+    ref = HFReference(path).logits(ids)
+    ref = ref - np.logaddexp.reduce(ref, axis=-1, keepdims=True)
+    return np.array([ref[i, ids[i + 1]] for i in range(len(ids) - 1)])
+
+
+def test_gpt_oss_trainer_logprobs_match_hf(tiny_models):
+    """The research loop's two forwards (the paged kernel over one sequence, and the
+    dense differentiable one) carry the sinks too."""
+    import jax
+    import jax.numpy as jnp
+
+    path = tiny_models("gpt_oss", kv_heads=2)
+    llm = make_llm(path)
+    ids = prompts(6, [40])[0]
+    want = _hf_logprobs(path, ids)
+    np.testing.assert_allclose(llm.sequence_logprobs(ids)[0], want, atol=1e-4)
+    fn = llm.get_logprobs_fn()
+    np.testing.assert_allclose(np.asarray(fn(llm.get_params(), jnp.asarray(ids, jnp.int32))), want, atol=1e-4)
+    grads = jax.grad(lambda p: fn(p, jnp.asarray(ids, jnp.int32)).sum())(llm.get_params())
+    assert float(jnp.abs(grads["layers"]["sinks"][...]).sum()) > 0  # the sinks take part
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_gpt_oss_every_attention_backend(tiny_models, backend):
+    """The sinks and the alternating windows through the reference and the Pallas
+    (TPU kernel, interpreted) attention; the default (native) is the test above."""
+    path = tiny_models("gpt_oss", kv_heads=2)
+    llm = make_llm(path, attention_backend=backend, max_model_len=128)
+    check_greedy(path, llm, prompts(2, [9, 30]), max_tokens=8)
+
+
+def test_gpt_oss_chunked_prefill_prefix_cache_and_preemption(tiny_models):
+    path = tiny_models("gpt_oss", kv_heads=2)
+    shared = prompts(8, [40])[0]
+    ps = [shared + q for q in prompts(9, [9, 21])] + prompts(10, [35, 6])
+    llm = make_llm(path, max_num_batched_tokens=16, long_prefill_token_threshold=8, num_gpu_blocks_override=12)
+    hf = HFReference(path)
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+    for p, o in zip(ps, outs):
+        ref, margins = hf.greedy(p, 20)
+        assert_greedy_match(o.outputs[0].token_ids, ref, margins, f"len {len(p)}")
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    # One request after the other (a cache that keeps both): the second one's shared
+    # prefix is a hit in both KV groups, and its tokens stay HF's.
+    llm = make_llm(path, max_num_batched_tokens=16, long_prefill_token_threshold=8)
+    llm.generate([{"prompt_token_ids": ps[0]}], sp, use_tqdm=False)
+    again = llm.generate([{"prompt_token_ids": ps[1]}], sp, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 32 and again.outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+@pytest.mark.devices(4)
+def test_gpt_oss_tensor_and_expert_parallel_match_one_device(tiny_models):
+    """tp 2 (heads, sinks and expert columns split; the interleaved gate / up read per
+    device) and expert parallel 2 give the one-device tokens and logprobs."""
+    path = tiny_models("gpt_oss", kv_heads=2)
+    ps = [{"prompt_token_ids": p} for p in prompts(11, [5, 23, 40])]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    res = []
+    for tp, ep in [(1, False), (2, False), (2, True)]:
+        llm = make_llm(path, tensor_parallel_size=tp, enable_expert_parallel=ep, max_model_len=128)
+        out = llm.generate(ps, sp, use_tqdm=False)
+        res.append([(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                              o.outputs[0].token_ids)]) for o in out])
+    for other in res[1:]:
+        for (toks, lps), (toks1, lps1) in zip(other, res[0]):
+            assert toks == toks1
+            np.testing.assert_allclose(lps, lps1, atol=1e-4)
