@@ -10,9 +10,13 @@
 
 The experts are stored as HF keeps them: ``mlp.experts.gate_up_proj`` [E, D, 2F] with
 gate and up interleaved column by column (read with ``Weight.fused_stride`` 2, so each
-device reads its own columns), ``down_proj`` [E, F, D], already [in, out].
+device reads its own columns), ``down_proj`` [E, F, D], already [in, out]. OpenAI's
+checkpoints ship them as MXFP4 (``*_blocks`` / ``*_scales``): the checkpoint reader
+presents each pair as that tensor (models/weights.py), decoded on CPU as it is read.
 """
 from __future__ import annotations
+
+import jax
 
 from models.base import MODEL, Weight
 from models.config import ModelArchConfig
@@ -30,10 +34,15 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def arch_fields(cls, cfg: dict) -> dict:
-        if cfg.get("quantization_config"):
-            method = cfg["quantization_config"].get("quant_method")
-            raise ValueError(f"GptOssForCausalLM: {method!r}-quantized experts are not supported yet; serve a "
-                             "bf16 / f32 checkpoint (its experts as mlp.experts.gate_up_proj / down_proj)")
+        method = (cfg.get("quantization_config") or {}).get("quant_method")
+        if method not in (None, "mxfp4"):
+            raise ValueError(f"GptOssForCausalLM: {method!r}-quantized checkpoints are not supported (mxfp4 "
+                             "experts, as OpenAI ships them, or bf16)")
+        if method == "mxfp4" and jax.default_backend() != "cpu":
+            # Decoding them at load would hold the experts at 4x their size; the fp4
+            # product inside the expert matmul is what TPU / GPU need, not built yet.
+            raise ValueError("GptOssForCausalLM: mxfp4 experts are served on CPU only (decoded to bf16 at load); "
+                             "on TPU / GPU serve a bf16 checkpoint of the model")
         window = cfg.get("sliding_window")
         types = layer_types(cfg, 2)  # without layer_types: even layers slide, odd ones are full
         bias = bool(cfg.get("attention_bias", True))

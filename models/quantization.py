@@ -304,6 +304,8 @@ def read_checkpoint_quantization(cfg: dict) -> CheckpointQuantization | None:
     if not qc:
         return None
     method = qc.get("quant_method")
+    if method == "mxfp4" and "GptOssForCausalLM" in (cfg.get("architectures") or []):
+        return None  # GPT-OSS's experts: decoded by the checkpoint reader (models/weights.py), on CPU
     if method != "compressed-tensors":
         raise ValueError(f"quantization_config.quant_method={method!r} is not supported (compressed-tensors "
                          "int8 / fp8 checkpoints only)")

@@ -74,9 +74,21 @@ def _read_into(fd: int, buf: np.ndarray, offset: int) -> None:
         done += n
 
 
+# MXFP4 (OCP microscaling, GPT-OSS's experts): the 16 values of an e2m1 nibble.
+_FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                       np.float32)
+MXFP4_BLOCK = 32  # values per shared exponent
+
+
 class SafetensorsCheckpoint:
     """The tensors of a folder's safetensors files by name; ``read`` returns one index
-    range of a tensor. Only the headers are read up front."""
+    range of a tensor. Only the headers are read up front.
+
+    An MXFP4 pair ``X_blocks`` (uint8 [..., R, G, 16]: two e2m1 values per byte, low
+    nibble first) and ``X_scales`` (uint8 [..., R, G]: a power-of-two exponent, bias 127,
+    per 32 values) is seen as the one tensor ``X`` [..., G * 32, R] in bfloat16, the
+    layout (and the exact values) of HF's dequantized GPT-OSS experts; each read decodes
+    only the blocks it needs."""
 
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
@@ -89,6 +101,17 @@ class SafetensorsCheckpoint:
             for name, t in header.items():
                 if name != "__metadata__":
                     self.tensors[name] = TensorInfo(path, t["dtype"], tuple(t["shape"]), 8 + size + t["data_offsets"][0])
+        self.mxfp4: dict[str, tuple[TensorInfo, TensorInfo]] = {}
+        for name in [n for n in self.tensors if n.endswith("_blocks")]:
+            base, blocks = name[:-len("_blocks")], self.tensors[name]
+            scales = self.tensors.get(base + "_scales")
+            if (scales is None or blocks.dtype != "U8" or scales.dtype != "U8" or len(blocks.shape) < 3
+                    or blocks.shape[-1] * 2 != MXFP4_BLOCK or scales.shape != blocks.shape[:-1]):
+                continue
+            del self.tensors[name], self.tensors[base + "_scales"]
+            *prefix, rows, groups, _ = blocks.shape
+            self.mxfp4[base] = (blocks, scales)
+            self.tensors[base] = TensorInfo(blocks.path, "BF16", (*prefix, groups * MXFP4_BLOCK, rows), -1)
 
     def dtype(self, name: str) -> np.dtype:
         info = self.tensors[name]
@@ -100,8 +123,33 @@ class SafetensorsCheckpoint:
         """The tensor's ``index`` (one step-1 slice per axis) in its stored dtype. Rows
         (axis 0) are read as one range; a narrower range of the other axes goes through a
         scratch buffer of whole rows."""
-        info = self.tensors[name]
-        dtype = self.dtype(name)
+        self.dtype(name)  # a clear error for a dtype no param may have
+        if name in self.mxfp4:
+            return self._read_mxfp4(name, index)
+        return self._read(self.tensors[name], index)
+
+    def _read_mxfp4(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """``index`` of the MXFP4 pair seen as [..., D, R] (see the class docstring),
+        decoded from the 32-value groups that cover its D range."""
+        blocks, scales = self.mxfp4[name]
+        bounds = [sl.indices(n)[:2] for sl, n in zip(index, self.tensors[name].shape)]
+        *prefix, (d0, d1), (r0, r1) = bounds
+        g0, g1 = d0 // MXFP4_BLOCK, -(-d1 // MXFP4_BLOCK)
+        out = np.empty((*(b - a for a, b in prefix), d1 - d0, r1 - r0), ml_dtypes.bfloat16)
+        # One leading index (an expert) at a time: the float32 decode of a whole layer's
+        # experts would be 8x the packed bytes.
+        for idx in itertools.product(*(range(a, b) for a, b in prefix)):
+            lead = tuple(slice(i, i + 1) for i in idx)
+            packed = self._read(blocks, lead + (slice(r0, r1), slice(g0, g1), slice(None)))[(0,) * len(idx)]
+            exps = self._read(scales, lead + (slice(r0, r1), slice(g0, g1)))[(0,) * len(idx)].astype(np.int32) - 127
+            values = np.stack([_FP4_VALUES[packed & 0x0F], _FP4_VALUES[packed >> 4]], axis=-1)  # low nibble first
+            values = np.ldexp(values.reshape(*packed.shape[:-1], MXFP4_BLOCK), exps[..., None])  # [R', G', 32]
+            values = values.reshape(r1 - r0, -1)[:, d0 - g0 * MXFP4_BLOCK:d1 - g0 * MXFP4_BLOCK]
+            out[tuple(i - a for i, (a, _) in zip(idx, prefix))] = values.T  # exact in bf16 (2-bit mantissas)
+        return out
+
+    def _read(self, info: TensorInfo, index: tuple[slice, ...]) -> np.ndarray:
+        dtype = np.dtype(_DTYPES[info.dtype])
         bounds = [sl.indices(n)[:2] for sl, n in zip(index, info.shape)]
         if not info.shape:
             out = np.empty((), dtype)

@@ -91,3 +91,16 @@ def test_gpt_oss_tensor_and_expert_parallel_match_one_device(tiny_models):
         for (toks, lps), (toks1, lps1) in zip(other, res[0]):
             assert toks == toks1
             np.testing.assert_allclose(lps, lps1, atol=1e-4)
+
+
+def test_gpt_oss_mxfp4_experts_give_the_dequantized_models_tokens(tiny_models, tmp_path):
+    """OpenAI's format (experts as MXFP4 blocks and scales, written here by the test's
+    own packer) loads, and serves the tokens and logprobs HF gives for the same experts
+    as floats."""
+    from hf_factory import write_mxfp4_gpt_oss
+
+    src = tiny_models("gpt_oss", kv_heads=2)
+    write_mxfp4_gpt_oss(src, tmp_path / "float", tmp_path / "mxfp4")
+    llm = make_llm(tmp_path / "mxfp4")
+    check_greedy(tmp_path / "float", llm, prompts(12, [6, 33]))
+    check_prompt_logprobs(tmp_path / "float", llm, prompts(13, [40])[0])

@@ -27,7 +27,7 @@ def cfg(**kw):
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn needs original_max_position_embeddings"),
     (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "rope_type 'dynamic' is not supported"),
     (dict(architectures=["GptOssForCausalLM"], num_local_experts=4, num_experts_per_tok=2,
-          quantization_config={"quant_method": "mxfp4"}), "'mxfp4'-quantized experts are not supported yet"),
+          quantization_config={"quant_method": "bitsandbytes"}), "'bitsandbytes'-quantized checkpoints are not supported"),
 ])
 def test_unsupported_variants(kw, message):
     with pytest.raises(ValueError, match=message):
