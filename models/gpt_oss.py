@@ -16,8 +16,6 @@ presents each pair as that tensor (models/weights.py), decoded on CPU as it is r
 """
 from __future__ import annotations
 
-import jax
-
 from models.base import MODEL, Weight
 from models.config import ModelArchConfig
 from models.gemma2 import layer_types
@@ -38,11 +36,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
         if method not in (None, "mxfp4"):
             raise ValueError(f"GptOssForCausalLM: {method!r}-quantized checkpoints are not supported (mxfp4 "
                              "experts, as OpenAI ships them, or bf16)")
-        if method == "mxfp4" and jax.default_backend() != "cpu":
-            # Decoding them at load would hold the experts at 4x their size; the fp4
-            # product inside the expert matmul is what TPU / GPU need, not built yet.
-            raise ValueError("GptOssForCausalLM: mxfp4 experts are served on CPU only (decoded to bf16 at load); "
-                             "on TPU / GPU serve a bf16 checkpoint of the model")
         window = cfg.get("sliding_window")
         types = layer_types(cfg, 2)  # without layer_types: even layers slide, odd ones are full
         bias = bool(cfg.get("attention_bias", True))

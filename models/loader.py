@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from models import packed_formats
 from models.base import MODEL
 from models.checkpoint import is_orbax_checkpoint, restore_orbax
 from models.config import ModelArchConfig
@@ -47,7 +48,10 @@ def load_model(model_path: str | Path, *, mesh: Mesh, dtype, progress: bool = Tr
         arch.rope_scaling, max_model_len or arch.max_position_embeddings))
     model_cls = get_model_class(arch.architecture)
     arch = arch_for_tensor_parallel(arch, mesh.shape[MODEL], model_cls, expert_parallel=expert_parallel)
-    stored = read_checkpoint_quantization(json.loads((Path(model_path) / "config.json").read_text()))
+    hf_cfg = json.loads((Path(model_path) / "config.json").read_text())
+    packed_formats.check_platform(packed_formats.packed_method(hf_cfg.get("quantization_config")),
+                                  jax.default_backend())
+    stored = read_checkpoint_quantization(hf_cfg)
     if stored is not None:
         arch, params = _read_prequantized(model_path, arch, model_cls, stored, quantization, mesh=mesh, dtype=dtype,
                                           progress=progress, param_dtype=param_dtype)

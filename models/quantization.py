@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models import batch_invariance
+from models import batch_invariance, packed_formats
 from models.base import Weight, dim_size
 from models.config import ModelArchConfig
 from models.sharding import checkpoint_arch, source_indices
@@ -303,12 +303,12 @@ def read_checkpoint_quantization(cfg: dict) -> CheckpointQuantization | None:
     qc = cfg.get("quantization_config")
     if not qc:
         return None
+    if packed_formats.packed_method(qc):
+        return None  # MXFP4 / AWQ / GPTQ / W4A16: decoded by the checkpoint reader (models/packed_formats.py)
     method = qc.get("quant_method")
-    if method == "mxfp4" and "GptOssForCausalLM" in (cfg.get("architectures") or []):
-        return None  # GPT-OSS's experts: decoded by the checkpoint reader (models/weights.py), on CPU
     if method != "compressed-tensors":
         raise ValueError(f"quantization_config.quant_method={method!r} is not supported (compressed-tensors "
-                         "int8 / fp8 checkpoints only)")
+                         "int8 / fp8 / pack-quantized int4, awq, gptq, mxfp4)")
     fmt = qc.get("format")
     if fmt not in ("int-quantized", "float-quantized", "naive-quantized"):
         raise ValueError(f"quantization_config.format={fmt!r} is not supported (int-quantized, float-quantized, "

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
+from models import packed_formats
 from models.base import Weight, dim_size
 from models.config import ModelArchConfig
 from models.sharding import checkpoint_arch, source_indices
@@ -74,21 +75,13 @@ def _read_into(fd: int, buf: np.ndarray, offset: int) -> None:
         done += n
 
 
-# MXFP4 (OCP microscaling, GPT-OSS's experts): the 16 values of an e2m1 nibble.
-_FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                       np.float32)
-MXFP4_BLOCK = 32  # values per shared exponent
-
-
 class SafetensorsCheckpoint:
     """The tensors of a folder's safetensors files by name; ``read`` returns one index
     range of a tensor. Only the headers are read up front.
 
-    An MXFP4 pair ``X_blocks`` (uint8 [..., R, G, 16]: two e2m1 values per byte, low
-    nibble first) and ``X_scales`` (uint8 [..., R, G]: a power-of-two exponent, bias 127,
-    per 32 values) is seen as the one tensor ``X`` [..., G * 32, R] in bfloat16, the
-    layout (and the exact values) of HF's dequantized GPT-OSS experts; each read decodes
-    only the blocks it needs."""
+    Packed formats (MXFP4, AWQ, GPTQ: models/packed_formats.py) are seen as the float
+    tensors HF's dequantized model holds: their parts leave ``tensors`` and the tensor
+    they decode to takes their place, decoded when it is read."""
 
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
@@ -101,17 +94,49 @@ class SafetensorsCheckpoint:
             for name, t in header.items():
                 if name != "__metadata__":
                     self.tensors[name] = TensorInfo(path, t["dtype"], tuple(t["shape"]), 8 + size + t["data_offsets"][0])
-        self.mxfp4: dict[str, tuple[TensorInfo, TensorInfo]] = {}
-        for name in [n for n in self.tensors if n.endswith("_blocks")]:
+        self.packed: dict[str, tuple[str, dict[str, TensorInfo]]] = {}  # name -> (format, its parts)
+        config = self.model_dir / "config.json"
+        qc = json.loads(config.read_text()).get("quantization_config") if config.exists() else None
+        self._find_packed(packed_formats.packed_method(qc), qc or {})
+
+    def _find_packed(self, method: str | None, qc: dict) -> None:
+        def take(fmt: str, name: str, parts: dict[str, str], dtype: str, shape: tuple[int, ...]) -> None:
+            infos = {k: self.tensors.pop(v) for k, v in parts.items()}
+            self.packed[name] = (fmt, infos)
+            self.tensors[name] = TensorInfo(infos["main"].path, dtype, shape, -1)
+
+        for name in [n for n in self.tensors if n.endswith("_blocks")]:  # MXFP4 pairs: found by their headers
             base, blocks = name[:-len("_blocks")], self.tensors[name]
             scales = self.tensors.get(base + "_scales")
             if (scales is None or blocks.dtype != "U8" or scales.dtype != "U8" or len(blocks.shape) < 3
-                    or blocks.shape[-1] * 2 != MXFP4_BLOCK or scales.shape != blocks.shape[:-1]):
+                    or blocks.shape[-1] * 2 != packed_formats.MXFP4_BLOCK or scales.shape != blocks.shape[:-1]):
                 continue
-            del self.tensors[name], self.tensors[base + "_scales"]
             *prefix, rows, groups, _ = blocks.shape
-            self.mxfp4[base] = (blocks, scales)
-            self.tensors[base] = TensorInfo(blocks.path, "BF16", (*prefix, groups * MXFP4_BLOCK, rows), -1)
+            take("mxfp4", base, {"main": name, "scales": base + "_scales"}, "BF16",
+                 (*prefix, groups * packed_formats.MXFP4_BLOCK, rows))
+        if method in ("awq", "gptq"):
+            for name in [n for n in self.tensors if n.endswith(".qweight")]:
+                base = name[:-len(".qweight")]
+                parts = {"main": name, "zeros": base + ".qzeros", "scales": base + ".scales"}
+                if method == "gptq" and base + ".g_idx" in self.tensors:
+                    parts["g_idx"] = base + ".g_idx"
+                if any(p not in self.tensors for p in parts.values()):
+                    raise ValueError(f"{self.model_dir}: {method} tensor {name} comes without "
+                                     f"{', '.join(p for p in parts.values() if p not in self.tensors)}")
+                rows, cols = self.tensors[name].shape
+                shape = (cols * 8, rows) if method == "awq" else (cols, rows * 8)  # [out, in]
+                # float32: (q - z) * s is exact there, whatever the scales' dtype.
+                take(method, base + ".weight", parts, "F32", shape)
+        elif method == "compressed-tensors/pack-quantized":
+            for name in [n for n in self.tensors if n.endswith(".weight_packed")]:
+                base = name[:-len(".weight_packed")]
+                parts = {"main": name, "scales": base + ".weight_scale"}
+                if base + ".weight_shape" in self.tensors:
+                    parts["shape"] = base + ".weight_shape"
+                rows, cols = self.tensors[name].shape
+                take(method, base + ".weight", parts, "F32", (rows, cols * 8))
+        self.packed_options = dict(group_size=qc.get("group_size", 128),
+                                   zero_offset=0 if qc.get("checkpoint_format") == "gptq_v2" else 1)
 
     def dtype(self, name: str) -> np.dtype:
         info = self.tensors[name]
@@ -124,27 +149,44 @@ class SafetensorsCheckpoint:
         (axis 0) are read as one range; a narrower range of the other axes goes through a
         scratch buffer of whole rows."""
         self.dtype(name)  # a clear error for a dtype no param may have
-        if name in self.mxfp4:
-            return self._read_mxfp4(name, index)
+        if name in self.packed:
+            return self._read_packed(name, index)
         return self._read(self.tensors[name], index)
 
-    def _read_mxfp4(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        """``index`` of the MXFP4 pair seen as [..., D, R] (see the class docstring),
-        decoded from the 32-value groups that cover its D range."""
-        blocks, scales = self.mxfp4[name]
-        bounds = [sl.indices(n)[:2] for sl, n in zip(index, self.tensors[name].shape)]
+    def _read_packed(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """``index`` of a packed tensor, decoded (models/packed_formats.py) into its dtype."""
+        fmt, parts = self.packed[name]
+        info = self.tensors[name]
+        dtype = np.dtype(_DTYPES[info.dtype])
+        whole = lambda part: self._read(parts[part], tuple(slice(None) for _ in parts[part].shape))
+        if fmt != "mxfp4":  # one [out, in] projection: decoded whole, then cut
+            if fmt == "awq":
+                w = packed_formats.decode_awq(whole("main"), whole("zeros"), whole("scales"),
+                                              self.packed_options["group_size"])
+            elif fmt == "gptq":
+                in_features = info.shape[1]
+                g_idx = whole("g_idx") if "g_idx" in parts else np.arange(in_features) // self.packed_options[
+                    "group_size"]
+                w = packed_formats.decode_gptq(whole("main"), whole("zeros"), whole("scales"), g_idx,
+                                               self.packed_options["zero_offset"])
+            else:
+                w = packed_formats.decode_pack_quantized(whole("main"), whole("scales"),
+                                                         shape=whole("shape") if "shape" in parts else None)
+            return w[index].astype(dtype)
+        # MXFP4 [..., D, R]: one leading index (an expert) at a time, only the 32-value
+        # groups that cover the D range (the float32 decode of a whole layer's experts
+        # would be 8x the packed bytes).
+        bounds = [sl.indices(n)[:2] for sl, n in zip(index, info.shape)]
         *prefix, (d0, d1), (r0, r1) = bounds
-        g0, g1 = d0 // MXFP4_BLOCK, -(-d1 // MXFP4_BLOCK)
-        out = np.empty((*(b - a for a, b in prefix), d1 - d0, r1 - r0), ml_dtypes.bfloat16)
-        # One leading index (an expert) at a time: the float32 decode of a whole layer's
-        # experts would be 8x the packed bytes.
+        block = packed_formats.MXFP4_BLOCK
+        g0, g1 = d0 // block, -(-d1 // block)
+        out = np.empty((*(b - a for a, b in prefix), d1 - d0, r1 - r0), dtype)
         for idx in itertools.product(*(range(a, b) for a, b in prefix)):
             lead = tuple(slice(i, i + 1) for i in idx)
-            packed = self._read(blocks, lead + (slice(r0, r1), slice(g0, g1), slice(None)))[(0,) * len(idx)]
-            exps = self._read(scales, lead + (slice(r0, r1), slice(g0, g1)))[(0,) * len(idx)].astype(np.int32) - 127
-            values = np.stack([_FP4_VALUES[packed & 0x0F], _FP4_VALUES[packed >> 4]], axis=-1)  # low nibble first
-            values = np.ldexp(values.reshape(*packed.shape[:-1], MXFP4_BLOCK), exps[..., None])  # [R', G', 32]
-            values = values.reshape(r1 - r0, -1)[:, d0 - g0 * MXFP4_BLOCK:d1 - g0 * MXFP4_BLOCK]
+            at = (0,) * len(idx)
+            blocks = self._read(parts["main"], lead + (slice(r0, r1), slice(g0, g1), slice(None)))[at]
+            scales = self._read(parts["scales"], lead + (slice(r0, r1), slice(g0, g1)))[at]
+            values = packed_formats.decode_mxfp4(blocks, scales)[:, d0 - g0 * block:d1 - g0 * block]
             out[tuple(i - a for i, (a, _) in zip(idx, prefix))] = values.T  # exact in bf16 (2-bit mantissas)
         return out
 

@@ -1,0 +1,203 @@
+"""Checkpoint formats whose weights are decoded as they are read: each packed group of
+tensors is presented by ``SafetensorsCheckpoint`` (models/weights.py) as the one float
+tensor HF's dequantized model holds, so the model files, the tensor-parallel reads and
+weight updates see a plain checkpoint.
+
+- **MXFP4** (OCP microscaling; GPT-OSS's experts): ``X_blocks`` uint8 [..., R, G, 16]
+  (two e2m1 codes per byte, low nibble first) and ``X_scales`` uint8 [..., R, G] (a
+  power-of-two exponent, bias 127, per 32 values) -> ``X`` [..., G * 32, R] in bfloat16
+  (HF's layout of the dequantized experts; exact: the values have 2-bit mantissas).
+- **AWQ** (AutoAWQ GEMM, ``quant_method: awq``): ``X.qweight`` int32 [in, out / 8] (eight
+  4-bit values per int32 along out, in AWQ's order 0 2 4 6 1 3 5 7), ``X.qzeros`` int32
+  [in / g, out / 8] (the same packing), ``X.scales`` [in / g, out] -> ``X.weight``
+  [out, in] = ((q - z) * s).T.
+- **GPTQ** (AutoGPTQ / GPTQModel, ``quant_method: gptq``): ``X.qweight`` int32 [in / 8,
+  out] (packed along in, in order), ``X.qzeros`` int32 [in / g, out / 8] (zero - 1 in the
+  v1 ``checkpoint_format``, the zero itself in v2), ``X.scales`` [in / g, out], ``X.g_idx``
+  [in] (act-order: each input row's group) -> ``X.weight`` [out, in].
+- **compressed-tensors pack-quantized** (W4A16, symmetric): ``X.weight_packed`` int32
+  [out, in / 8] (int4 along in, offset by 8, in order), ``X.weight_scale`` [out, in / g]
+  (or [out, 1]: channel), ``X.weight_shape`` -> ``X.weight``.
+
+They are decoded on the host (float32; MXFP4 in bfloat16, exact), so on CPU the model then
+runs at the float model's speed with the quantized model's values
+(benchmarks/bench_quantization.py measures both). TPU / GPU want the int4 product
+inside the matmul instead (the weights kept packed); that path is not built, so the
+loader refuses these formats there (``check_platform``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import ml_dtypes
+
+PACKED_METHODS = ("mxfp4", "awq", "gptq", "compressed-tensors/pack-quantized")
+_FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                       np.float32)
+MXFP4_BLOCK = 32  # values per shared exponent
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds column _AWQ_ORDER[i] of its eight
+
+
+def packed_method(qc: dict | None) -> str | None:
+    """The format of ``quantization_config`` if it is one decoded at read (PACKED_METHODS),
+    else None. ValueError for a packed format's variant not supported (bits, layout)."""
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "mxfp4":
+        return method
+    if method in ("awq", "gptq"):
+        bits = qc.get("bits", qc.get("w_bit"))
+        if bits != 4:
+            raise ValueError(f"quantization_config: {method} with bits={bits} is not supported (4-bit only)")
+        if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
+            raise ValueError(f"quantization_config: awq version={qc.get('version')!r} is not supported (gemm)")
+        if method == "gptq" and qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
+            raise ValueError(f"quantization_config: gptq checkpoint_format={qc.get('checkpoint_format')!r} is not "
+                             "supported (gptq, gptq_v2)")
+        return method
+    if method == "compressed-tensors" and qc.get("format") == "pack-quantized":
+        for group in (qc.get("config_groups") or {}).values():
+            w = group.get("weights") or {}
+            if w.get("num_bits") != 4 or w.get("type") != "int" or w.get("strategy") not in ("group", "channel"):
+                raise ValueError(f"quantization_config: pack-quantized weights num_bits={w.get('num_bits')} "
+                                 f"type={w.get('type')} strategy={w.get('strategy')} are not supported (4-bit int, "
+                                 "group or channel)")
+            if not w.get("symmetric", True):
+                raise ValueError("quantization_config: pack-quantized with zero points (asymmetric) is not "
+                                 "supported (symmetric only)")
+            if group.get("input_activations"):
+                raise ValueError("quantization_config: pack-quantized with quantized activations is not supported "
+                                 "(W4A16 only)")
+        return "compressed-tensors/pack-quantized"
+    return None
+
+
+def check_platform(method: str | None, platform: str) -> None:
+    """Packed formats are decoded to floats at load, which only the CPU is served with."""
+    if method is not None and platform != "cpu":
+        raise ValueError(f"{method} checkpoints are served on CPU only for now (decoded to floats at load); on TPU "
+                         "/ GPU serve the model's bf16 checkpoint")
+
+
+def unpack_int4(packed: np.ndarray, axis: int, order=tuple(range(8))) -> np.ndarray:
+    """int32 words holding eight 4-bit values each (nibble i: element order[i] of its
+    eight along ``axis``) -> their unsigned values (uint8), ``axis`` 8 times longer."""
+    words = packed.astype(np.uint32)
+    nibbles = [(words >> (4 * i)) & 0xF for i in range(8)]
+    by_position = [nibbles[order.index(j)] for j in range(8)]
+    out = np.stack(by_position, axis=axis + 1 if axis >= 0 else axis)
+    shape = list(packed.shape)
+    shape[axis] *= 8
+    return out.reshape(shape).astype(np.uint8)
+
+
+def decode_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """blocks uint8 [R, G, 16], scales uint8 [R, G] -> float32 [R, G * 32]."""
+    exps = scales.astype(np.int32) - 127
+    values = np.stack([_FP4_VALUES[blocks & 0x0F], _FP4_VALUES[blocks >> 4]], axis=-1)  # low nibble first
+    return np.ldexp(values.reshape(*blocks.shape[:-1], MXFP4_BLOCK), exps[..., None]).reshape(blocks.shape[0], -1)
+
+
+def decode_awq(qweight, qzeros, scales, group_size: int) -> np.ndarray:
+    """AWQ -> float32 [out, in] (HF Linear layout)."""
+    q = unpack_int4(qweight, axis=1, order=_AWQ_ORDER).astype(np.float32)  # [in, out]
+    z = unpack_int4(qzeros, axis=1, order=_AWQ_ORDER).astype(np.float32)  # [in / g, out]
+    rows = np.arange(q.shape[0]) // group_size
+    return ((q - z[rows]) * scales.astype(np.float32)[rows]).T
+
+
+def decode_gptq(qweight, qzeros, scales, g_idx, zero_offset: int) -> np.ndarray:
+    """GPTQ -> float32 [out, in]; ``zero_offset`` 1 for the v1 format (zeros stored minus one)."""
+    q = unpack_int4(qweight, axis=0).astype(np.float32)  # [in, out]
+    z = unpack_int4(qzeros, axis=1).astype(np.float32) + zero_offset  # [groups, out]
+    # (v1 zeros wrap: a stored 0xF for zero 0 reads 16 minus one; the + 1 is mod 16.)
+    z = np.where(z > 15, z - 16, z) if zero_offset else z
+    g = np.asarray(g_idx, np.int64)
+    return ((q - z[g]) * scales.astype(np.float32)[g]).T
+
+
+def decode_pack_quantized(packed, scale, shape=None) -> np.ndarray:
+    """compressed-tensors pack-quantized (symmetric) -> float32 [out, in]: signed int4
+    values in [-8, 7] stored offset by 8, one scale per group of in (or per row)."""
+    q = unpack_int4(packed, axis=1).astype(np.float32) - 8.0  # [out, in (padded to 8)]
+    if shape is not None:
+        q = q[:, :int(shape[1])]
+    group = q.shape[1] // scale.shape[1]
+    cols = np.arange(q.shape[1]) // group
+    return q * scale.astype(np.float32)[:, cols]
+
+
+def float_dtype(dtype_name: str):
+    """The safetensors name of the dtype a decoded tensor is presented in."""
+    return {"F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32}[dtype_name]
+
+
+# ---------------------------------------------------------------- reference packers
+# The inverse of the decoders, from float weights, following each format's layout: what
+# the tests and benchmarks/bench_quantization.py write checkpoints with (no torch, no
+# AutoAWQ / GPTQ run: round-to-nearest, not their calibrated search).
+
+def pack_int4(values: np.ndarray, axis: int, order=tuple(range(8))) -> np.ndarray:
+    """unpack_int4's inverse: values in [0, 15] -> int32 words, ``axis`` 8 times shorter."""
+    v = np.moveaxis(np.asarray(values, np.uint32), axis, -1)
+    v = v.reshape(*v.shape[:-1], -1, 8)
+    words = np.zeros(v.shape[:-1], np.uint32)
+    for i, element in enumerate(order):
+        words |= v[..., element] << (4 * i)
+    return np.ascontiguousarray(np.moveaxis(words.view(np.int32), -1, axis))
+
+
+def quantize_groups(w_in_out: np.ndarray, group_size: int, symmetric: bool, rows=None):
+    """w [in, out] -> (q uint8 [in, out] in [0, 15], zeros [groups, out] uint8, scales
+    [groups, out] float32) by round to nearest, per group of input rows (``rows``: each
+    row's group, act-order; default consecutive blocks)."""
+    w = np.asarray(w_in_out, np.float32)
+    n_in = w.shape[0]
+    rows = np.arange(n_in) // group_size if rows is None else np.asarray(rows)
+    groups = int(rows.max()) + 1
+    lo = np.stack([w[rows == g].min(axis=0) for g in range(groups)])
+    hi = np.stack([w[rows == g].max(axis=0) for g in range(groups)])
+    if symmetric:
+        scales = np.maximum(np.maximum(-lo, hi) / 7.5, 1e-8)
+        zeros = np.full_like(scales, 8.0)
+    else:
+        scales = np.maximum((hi - lo) / 15.0, 1e-8)
+        zeros = np.clip(np.round(-lo / scales), 0, 15)
+    q = np.clip(np.round(w / scales[rows]) + zeros[rows], 0, 15)
+    return q.astype(np.uint8), zeros.astype(np.uint8), scales.astype(np.float32)
+
+
+def pack_awq(w_out_in: np.ndarray, group_size: int):
+    """An HF Linear weight [out, in] -> (AWQ tensors {qweight, qzeros, scales (float16)},
+    the float32 [out, in] they decode to)."""
+    q, z, s = quantize_groups(np.asarray(w_out_in).T, group_size, symmetric=False)
+    s = s.astype(np.float16)
+    s = np.ascontiguousarray(s)
+    parts = {"qweight": pack_int4(q, 1, _AWQ_ORDER), "qzeros": pack_int4(z, 1, _AWQ_ORDER), "scales": s}
+    return parts, decode_awq(parts["qweight"], parts["qzeros"], s, group_size)
+
+
+def pack_gptq(w_out_in: np.ndarray, group_size: int, act_order: bool, seed: int = 0):
+    """An HF Linear weight [out, in] -> (GPTQ v1 tensors {qweight, qzeros (zero - 1),
+    scales (float16), g_idx}, the float32 [out, in] they decode to). ``act_order``: the
+    rows' groups follow a random permutation (GPTQ's desc_act order)."""
+    n_in = w_out_in.shape[1]
+    rank = np.random.default_rng(seed).permutation(n_in) if act_order else np.arange(n_in)
+    g_idx = (rank // group_size).astype(np.int32)
+    q, z, s = quantize_groups(np.asarray(w_out_in).T, group_size, symmetric=False, rows=g_idx)
+    s = np.ascontiguousarray(s.astype(np.float16))
+    stored_zeros = (z.astype(np.int32) - 1) & 0xF
+    parts = {"qweight": pack_int4(q, 0), "qzeros": pack_int4(stored_zeros, 1), "scales": s, "g_idx": g_idx}
+    return parts, decode_gptq(parts["qweight"], parts["qzeros"], s, g_idx, zero_offset=1)
+
+
+def pack_w4a16(w_out_in: np.ndarray, group_size: int):
+    """An HF Linear weight [out, in] -> (compressed-tensors pack-quantized tensors
+    {weight_packed, weight_scale (float16), weight_shape}, the float32 [out, in] they
+    decode to); symmetric, signed int4 offset by 8."""
+    q, _, s = quantize_groups(np.asarray(w_out_in).T, group_size, symmetric=True)
+    q = np.clip(q.astype(np.int32), 0, 15)  # already offset by the zero point 8
+    s = np.ascontiguousarray(s.T.astype(np.float16))  # [out, groups]
+    shape = np.array(w_out_in.shape, np.int64)
+    parts = {"weight_packed": pack_int4(q.T, 1), "weight_scale": s, "weight_shape": shape}
+    return parts, decode_pack_quantized(parts["weight_packed"], s, shape)

@@ -1,0 +1,76 @@
+"""AWQ, GPTQ (act-order) and compressed-tensors W4A16 checkpoints (models/packed_formats.py),
+written by the reference packers from a tiny model's float weights: jaxserve serves the
+tokens and logprobs HF gives for the same rounded weights as floats, at tp 1 and 2;
+each decoder is checked against the format's layout written out independently here."""
+import numpy as np
+import pytest
+from hf_factory import INT4_FORMATS, write_int4_checkpoint
+from test_parity_hf import make_llm, prompts
+from test_phi3 import check_greedy, check_prompt_logprobs
+
+from models import packed_formats as pf
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("fmt", list(INT4_FORMATS))
+def test_int4_checkpoint_serves_the_dequantized_models_tokens(tiny_models, tmp_path, fmt):
+    src = tiny_models("llama", kv_heads=2)
+    write_int4_checkpoint(src, fmt, tmp_path / "float", tmp_path / fmt)
+    llm = make_llm(tmp_path / fmt)
+    check_greedy(tmp_path / "float", llm, prompts(21, [7, 30]))
+    check_prompt_logprobs(tmp_path / "float", llm, prompts(22, [25])[0])
+
+
+@pytest.mark.devices(2)
+def test_int4_checkpoint_tensor_parallel(tiny_models, tmp_path):
+    """Each device reads its columns / rows of the decoded projections."""
+    src = tiny_models("llama", kv_heads=2)
+    write_int4_checkpoint(src, "gptq", tmp_path / "float", tmp_path / "gptq")
+    check_greedy(tmp_path / "float", make_llm(tmp_path / "gptq", tensor_parallel_size=2), prompts(23, [12, 40]))
+
+
+def test_decoders_follow_the_formats():
+    """The decoders against the layouts as their projects describe them, written here
+    without models/packed_formats.py's helpers."""
+    rng = np.random.default_rng(0)
+    out_f, in_f, g = 16, 64, 32
+    q = rng.integers(0, 16, (in_f, out_f))  # [in, out]
+    z = rng.integers(0, 16, (in_f // g, out_f))
+    s = rng.uniform(0.01, 0.1, (in_f // g, out_f)).astype(np.float16)
+    want = ((q - z[np.arange(in_f) // g]) * s.astype(np.float32)[np.arange(in_f) // g]).T
+
+    def words(values, order):  # eight values per int32 along the last axis, value order[i] in nibble i
+        v = values.reshape(*values.shape[:-1], -1, 8)
+        return sum(v[..., order[i]].astype(np.int64) << (4 * i) for i in range(8)).astype(np.uint32).view(np.int32)
+
+    # AutoAWQ GEMM: columns packed 8 per word in the order 0 2 4 6 1 3 5 7 (its reverse: 0 4 1 5 2 6 3 7).
+    awq = pf.decode_awq(words(q, (0, 2, 4, 6, 1, 3, 5, 7)), words(z, (0, 2, 4, 6, 1, 3, 5, 7)), s, g)
+    np.testing.assert_allclose(awq, want, rtol=1e-6)
+    # GPTQ v1: rows packed 8 per word in order; zeros packed along out, stored minus one.
+    qweight = words(q.T, tuple(range(8))).T
+    gptq = pf.decode_gptq(qweight, words((z - 1) & 0xF, tuple(range(8))), s, np.arange(in_f) // g, zero_offset=1)
+    np.testing.assert_allclose(gptq, want, rtol=1e-6)
+    # compressed-tensors pack-quantized: [out, in] int4 offset by 8, packed along in in order.
+    sym = rng.integers(-8, 8, (out_f, in_f))
+    scale = rng.uniform(0.01, 0.1, (out_f, in_f // g)).astype(np.float16)
+    w4 = pf.decode_pack_quantized(words(sym + 8, tuple(range(8))), scale)
+    np.testing.assert_allclose(w4, sym * scale.astype(np.float32)[:, np.arange(in_f) // g], rtol=1e-6)
+
+
+@pytest.mark.parametrize("qc, message", [
+    ({"quant_method": "awq", "bits": 3, "group_size": 128}, "awq with bits=3 is not supported"),
+    ({"quant_method": "gptq", "bits": 8}, "gptq with bits=8 is not supported"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "awq version='gemv' is not supported"),
+    ({"quant_method": "aqlm"}, "quant_method='aqlm' is not supported"),
+])
+def test_unsupported_quantized_formats_fail_at_start(tiny_models, tmp_path, qc, message):
+    import json
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_models("llama", kv_heads=2), path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(cfg | {"quantization_config": qc}))
+    with pytest.raises(ValueError, match=message):
+        make_llm(path)
