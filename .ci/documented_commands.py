@@ -37,6 +37,7 @@ COMMANDS: list[tuple[str, str, int, str]] = [
     ("one directory", ".venv/bin/pytest -q tests/server", 900, r"\d+ passed"),
     ("some tests of a file", ".venv/bin/pytest -q tests/core/test_scheduler.py -k preempt", 300, r"\d+ passed"),
     ("capacity_plan", f"{PY} benchmarks/capacity_plan.py", 120, r"\S"),
+    ("capacity_plan gpt-oss", f"{PY} benchmarks/capacity_plan.py --model gpt-oss-120b", 120, r"h200 x 8 chips"),
     ("bench_throughput", f"{PY} benchmarks/bench_throughput.py --num-prompts 4 --input-len 16 --output-len 4 "
      f"--also-dtype float32 --plot {TMP}/throughput.png", 600, r"(?s)Throughput: .* output tokens/s.*chart: "),
     ("bench_serving", f"{PY} benchmarks/bench_serving.py --launch --max-concurrency 1 2 --num-prompts 2 4 "

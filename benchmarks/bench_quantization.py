@@ -3,6 +3,7 @@
 
     python benchmarks/bench_quantization.py                # the default model
     python benchmarks/bench_quantization.py --variants float32:none float32:int8
+    python benchmarks/bench_quantization.py --variants float32:none float32:awq float32:gptq float32:w4a16
     python benchmarks/bench_quantization.py --variants float32:none float32:none:bfloat16 auto:none \
         auto:none:auto:bfloat16
 
@@ -11,11 +12,17 @@ outputs that are identical, the mean length of the common prefix, and the mean |
 difference| of the reference's chosen tokens over that common prefix (where both models
 saw the same context). Throughput: ``--num-prompts`` random-token prompts of
 ``--input-len`` tokens, ``--output-len`` greedy tokens each, ignore_eos.
+
+The int4 quantizations (awq, gptq, w4a16) are checkpoint formats, not load-time
+options: the model's projections are written in that format (models/packed_formats.py's
+reference packers: round to nearest in groups of ``--group-size``, no calibration) into a
+temporary folder, which the engine then serves.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +38,9 @@ SUBJECTS = ["the ocean", "a volcano", "photosynthesis", "the moon", "bread", "a 
             "the internet", "chess", "honey bees", "a library", "gravity", "coffee", "winter", "a computer"]
 ASKS = ["Explain {} in two sentences.", "Write a short poem about {}.", "Give three facts about {}.",
         "Why is {} important?"]
+
+
+INT4_FORMATS = ("awq", "gptq", "w4a16")
 
 
 def chat_prompts() -> list[list[dict]]:
@@ -69,6 +79,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--group-size", type=int, default=64, help="input rows per int4 scale (the int4 variants)")
     ap.add_argument("--peer", choices=("vllm",), default=None,
                     help="also measure vLLM's agreement with the reference (the first variant), on the same "
                          "prompt tokens, once per --peer-dtypes")
@@ -90,9 +101,17 @@ def main() -> None:
         dtype, quant, *rest = variant.split(":")
         weight_dtype, kv_dtype = (rest + ["auto", "auto"])[:2]
         quant = None if quant == "none" else quant
+        overrides = {}
+        if quant in INT4_FORMATS:  # a checkpoint format: write the model in it, serve that folder
+            from models.default_model import default_model_dir
+            from models.packed_formats import write_int4_folder
+
+            folder = Path(tempfile.mkdtemp(prefix=f"jaxserve-{quant}-"))
+            write_int4_folder(engine_args.model or default_model_dir(), folder, quant, args.group_size)
+            overrides, quant = dict(model=str(folder)), None
         t0 = time.perf_counter()
         llm = LLM(**engine_kwargs(engine_args, dtype=dtype, quantization=quant, weight_dtype=weight_dtype,
-                                  kv_cache_dtype=kv_dtype))
+                                  kv_cache_dtype=kv_dtype, **overrides))
         runner = llm.llm_engine.engine_core.model_runner
         variant += (f" (weights {np.dtype(runner.param_dtype).name}, activations {np.dtype(runner.dtype).name}, "
                     f"KV {np.dtype(runner.kv_dtype).name})")

@@ -9,7 +9,12 @@ context: HBM time (weights + KV read once per step), tensor-parallel all-reduce 
 (2 per layer over ICI, ring), and the prefill compute time for one chunk.
 
     python benchmarks/capacity_plan.py                       # Llama-3-70B on v5e-32 and v5p-64
+    python benchmarks/capacity_plan.py --model gpt-oss-120b  # v5e-16, v5p-16, v6e-8, an 8x H200 node
     python benchmarks/capacity_plan.py --config config.json --chip v5e --chips 32
+
+Sliding-window layers are counted with whole-context KV (an upper bound: GPT-OSS's
+window layers hold 128 tokens each), MoE decode reads the experts its batch routes to
+(``experts_read``), prefill FLOPs count each token's top-k experts.
 """
 from __future__ import annotations
 
@@ -34,10 +39,24 @@ LLAMA3_70B = {
     "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False, "hidden_act": "silu",
 }
-# Per chip: HBM GiB, HBM GB/s, bf16 TFLOP/s, ICI GB/s (all links together), all-reduce latency s.
+# gpt-oss-120b's config.json (bf16 experts: its MXFP4 ones are served on CPU only).
+GPT_OSS_120B = {
+    "architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+    "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+    "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128, "rms_norm_eps": 1e-5,
+    "layer_types": ["sliding_attention", "full_attention"] * 18, "max_position_embeddings": 131072,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+    "tie_word_embeddings": False, "attention_bias": True,
+}
+MODELS = {"llama-3-70b": LLAMA3_70B, "gpt-oss-120b": GPT_OSS_120B}
+# Per chip: HBM GiB, HBM GB/s, bf16 TFLOP/s (dense), ICI GB/s (all links together; the
+# H200's NVLink), all-reduce latency s. An "8x H200 node" is --chip h200 --chips 8.
 CHIPS = {
     "v5e": dict(hbm_gib=16, hbm_gbs=819, tflops=197, ici_gbs=200, ar_latency=15e-6),
     "v5p": dict(hbm_gib=95, hbm_gbs=2765, tflops=459, ici_gbs=600, ar_latency=10e-6),
+    "v6e": dict(hbm_gib=32, hbm_gbs=1640, tflops=918, ici_gbs=400, ar_latency=10e-6),
+    "h200": dict(hbm_gib=141, hbm_gbs=4800, tflops=989, ici_gbs=900, ar_latency=8e-6),
 }
 
 
@@ -49,12 +68,23 @@ class _Device:  # what determine_num_blocks reads from a jax.Device
         return self._stats
 
 
-def weight_bytes_per_chip(arch: ModelArchConfig, tp: int, itemsize: int) -> int:
+def weight_bytes_per_chip(arch: ModelArchConfig, tp: int, itemsize: int, experts_share: float = 1.0) -> int:
+    """Bytes of one chip's weights; ``experts_share`` counts only that share of the MoE
+    experts' (the ones a step reads, or a token's top-k for FLOPs)."""
     total = 0
-    for w in get_model_class(arch.architecture).weight_map(arch).values():
+    for name, w in get_model_class(arch.architecture).weight_map(arch).items():
         n = math.prod(w.shape(arch)) * itemsize
+        n = n * experts_share if name.startswith("experts_") else n
         total += n // tp if MODEL in w.partition else n
-    return total
+    return int(total)
+
+
+def experts_read(arch: ModelArchConfig, tokens: int) -> float:
+    """The expected share of a MoE layer's experts that ``tokens`` routed tokens touch
+    (each picks top-k of E, taken as uniform): 1 - (1 - k / E)^tokens; 1 for a dense model."""
+    if not arch.num_experts:
+        return 1.0
+    return 1.0 - (1.0 - arch.num_experts_per_tok / arch.num_experts) ** max(tokens, 1)
 
 
 def plan(cfg: dict, chip: str, chips: int, *, batch: int, context: int, prefill: int, util: float,
@@ -84,11 +114,16 @@ def plan(cfg: dict, chip: str, chips: int, *, batch: int, context: int, prefill:
         tokens = (blocks - 1) * block_size
         kv_per_token_chip = bytes_per_block(arch, block_size, dtype) / block_size / tp
         b = min(batch, tokens // context)  # the decode batch the cache holds at this context
-        hbm_s = (wb + b * context * kv_per_token_chip) / (spec["hbm_gbs"] * 1e9)
+        # A decode step reads the experts its b tokens route to; prefill multiplies each
+        # token by its top-k experts only.
+        read = weight_bytes_per_chip(arch, tp, itemsize, experts_read(arch, b))
+        hbm_s = (read + b * context * kv_per_token_chip) / (spec["hbm_gbs"] * 1e9)
         ar_bytes = b * arch.hidden_size * itemsize
         ar_s = 0.0 if tp == 1 else 2 * arch.num_hidden_layers * (
             spec["ar_latency"] + 2 * (tp - 1) / tp * ar_bytes / (spec["ici_gbs"] * 1e9))
-        flops = 2 * (wb * tp / itemsize) * prefill  # ~2 FLOPs per weight per token, whole model
+        active = weight_bytes_per_chip(arch, tp, itemsize, arch.num_experts_per_tok / arch.num_experts
+                                       if arch.num_experts else 1.0)
+        flops = 2 * (active * tp / itemsize) * prefill  # ~2 FLOPs per active weight per token
         prefill_s = flops / (tp * spec["tflops"] * 1e12)
         print(f"{dp:>6} x {tp:<5} {arch.num_key_value_heads:>9} {wb / 2**30:>10.1f} GiB {budget / 2**30:>11.1f} GiB "
               f"{tokens:>15,} {tokens * dp:>14,} {b:>6} {1000 * hbm_s:>9.1f} ms {1000 * ar_s:>8.1f} ms "
@@ -97,7 +132,8 @@ def plan(cfg: dict, chip: str, chips: int, *, batch: int, context: int, prefill:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", help="an HF config.json (default: Llama-3-70B's)")
+    ap.add_argument("--config", help="an HF config.json (default: --model's)")
+    ap.add_argument("--model", choices=list(MODELS), default="llama-3-70b")
     ap.add_argument("--chip", choices=list(CHIPS))
     ap.add_argument("--chips", type=int)
     ap.add_argument("--batch", type=int, default=64)
@@ -108,8 +144,10 @@ def main() -> None:
     import logging
 
     logging.getLogger("jaxserve").setLevel(logging.WARNING)
-    cfg = json.load(open(args.config)) if args.config else LLAMA3_70B
+    cfg = json.load(open(args.config)) if args.config else MODELS[args.model]
     targets = [(args.chip, args.chips)] if args.chip else [("v5e", 32), ("v5p", 32)]  # v5p-64 = 32 chips
+    if not args.chip and args.model == "gpt-oss-120b":
+        targets = [("v5e", 16), ("v5p", 8), ("v6e", 8), ("h200", 8)]
     for chip, n in targets:
         plan(cfg, chip, n, batch=args.batch, context=args.context, prefill=args.prefill,
              util=args.gpu_memory_utilization)

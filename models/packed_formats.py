@@ -201,3 +201,49 @@ def pack_w4a16(w_out_in: np.ndarray, group_size: int):
     shape = np.array(w_out_in.shape, np.int64)
     parts = {"weight_packed": pack_int4(q.T, 1), "weight_scale": s, "weight_shape": shape}
     return parts, decode_pack_quantized(parts["weight_packed"], s, shape)
+
+
+def int4_quantization_config(fmt: str, group_size: int) -> dict:
+    """config.json's quantization_config of a folder ``write_int4_folder`` writes."""
+    if fmt == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
+    if fmt == "gptq":
+        return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": True, "sym": False,
+                "checkpoint_format": "gptq"}
+    if fmt == "w4a16":
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                    "num_bits": 4, "type": "int", "strategy": "group", "group_size": group_size, "symmetric": True}}}}
+    raise ValueError(f"int4 format {fmt!r}: expected awq, gptq or w4a16")
+
+
+def write_int4_folder(src, dst, fmt: str, group_size: int = 128, float_dst=None) -> None:
+    """A float32 single-file safetensors folder ``src`` with every decoder projection
+    (``model.layers.N.{self_attn,mlp}.*_proj.weight``) rounded to int4 in ``fmt`` (awq,
+    gptq with act-order, w4a16) by the reference packers, written to ``dst``; with
+    ``float_dst``, the same rounded model as float32 too (a reference for HF)."""
+    import json
+    import re
+    import shutil
+    from pathlib import Path
+
+    from safetensors.numpy import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    pack = {"awq": lambda w: pack_awq(w, group_size), "gptq": lambda w: pack_gptq(w, group_size, act_order=True),
+            "w4a16": lambda w: pack_w4a16(w, group_size)}[fmt]
+    tensors = load_file(str(src / "model.safetensors"))
+    floats, packed = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        if re.fullmatch(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight", name):
+            parts, values = pack(w)
+            floats[name] = np.ascontiguousarray(values.astype(w.dtype))  # safetensors writes buffers as they lie
+            del packed[name]
+            packed.update({f"{name[:-len('.weight')]}.{k}": v for k, v in parts.items()})
+    for out, ts in ((dst, packed), (float_dst, floats)):
+        if out is not None:
+            shutil.copytree(src, out, dirs_exist_ok=True)
+            save_file(ts, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(cfg | {"quantization_config": int4_quantization_config(
+        fmt, group_size)}, indent=2))

@@ -196,44 +196,14 @@ def write_mxfp4_gpt_oss(src: Path, float_dst: Path, mxfp4_dst: Path) -> None:
     (mxfp4_dst / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
-INT4_FORMATS = {
-    "awq": {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
-    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False,
-             "checkpoint_format": "gptq"},
-    "w4a16": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
-              "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                  "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True}}}},
-}
+INT4_FORMATS = ("awq", "gptq", "w4a16")
 
 
 def write_int4_checkpoint(src: Path, fmt: str, float_dst: Path, packed_dst: Path) -> None:
     """From a float folder, the same model with every decoder projection rounded to int4
     (groups of 32 input rows) twice: stored as floats (``float_dst``, HF's reference)
-    and in ``fmt`` (INT4_FORMATS: AutoAWQ GEMM, GPTQ v1 with act-order, compressed-tensors
+    and in ``fmt`` (AutoAWQ GEMM, GPTQ v1 with act-order, compressed-tensors
     pack-quantized), written by models/packed_formats.py's reference packers."""
-    import json
-    import re
-    import shutil
+    from models.packed_formats import write_int4_folder
 
-    import numpy as np
-    from safetensors.numpy import load_file, save_file
-
-    from models import packed_formats as pf
-
-    pack = {"awq": lambda w: pf.pack_awq(w, 32), "gptq": lambda w: pf.pack_gptq(w, 32, act_order=True),
-            "w4a16": lambda w: pf.pack_w4a16(w, 32)}[fmt]
-    tensors = load_file(str(src / "model.safetensors"))
-    floats, packed = dict(tensors), dict(tensors)
-    for name, w in tensors.items():
-        if re.fullmatch(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight", name):
-            parts, values = pack(w)
-            floats[name] = np.ascontiguousarray(values.astype(w.dtype))  # safetensors writes buffers as they lie
-            base = name[:-len(".weight")]
-            del packed[name]
-            packed.update({f"{base}.{k}": v for k, v in parts.items()})
-    for dst, ts in ((float_dst, floats), (packed_dst, packed)):
-        shutil.copytree(src, dst, dirs_exist_ok=True)
-        save_file(ts, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((packed_dst / "config.json").read_text())
-    cfg["quantization_config"] = INT4_FORMATS[fmt]
-    (packed_dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_int4_folder(src, packed_dst, fmt, group_size=32, float_dst=float_dst)
