@@ -41,12 +41,15 @@ WEIGHT_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 SCALE = "_scale"
 # Per-layer projections that are never quantized (see the module docstring).
 _KEEP = ("router", "shared_expert_gate")
+_EXPERTS = ("experts_gate", "experts_up", "experts_down")  # models/moe.py's expert weights
 
 
 def quantized_names(weight_map: dict[str, Weight]) -> list[str]:
     """The params int8 quantization stores as int8: every per-layer projection (an HF
-    Linear weight, [..., in, out]) except those in _KEEP."""
-    return [n for n, w in weight_map.items() if w.per_layer and w.transpose and len(w.dims) >= 3 and n not in _KEEP]
+    Linear weight, [..., in, out]; GPT-OSS's experts, stored [E, in, out] already) except
+    those in _KEEP."""
+    return [n for n, w in weight_map.items()
+            if w.per_layer and len(w.dims) >= 3 and (w.transpose or n in _EXPERTS) and n not in _KEEP]
 
 
 def matmul_weight_names(weight_map: dict[str, Weight]) -> list[str]:

@@ -77,10 +77,11 @@ def test_int8_engine_close_to_unquantized(tmp_path, arch):
 
 
 @pytest.mark.devices(2)  # fails, not skips, with fewer (tests/conftest.py)
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "gpt_oss"])
 def test_int8_tensor_parallel_matches_one_device(tmp_path, arch):
     """Scales are split like their weights' output axis; MoE: with expert parallelism
-    too (whole experts and their scales per device)."""
+    too (whole experts and their scales per device; GPT-OSS's experts, stored [in, out],
+    are quantized as well)."""
     from hf_factory import make_tiny_hf_model
     from jaxserve import SamplingParams
 
@@ -94,8 +95,9 @@ def test_int8_tensor_parallel_matches_one_device(tmp_path, arch):
         if tp == 2:  # the scale is split like its weight's output columns (o_proj: rows, so replicated)
             assert tuple(layers["q_proj_scale"][...].sharding.spec) == (None, "model")
             assert tuple(layers["o_proj_scale"][...].sharding.spec) == (None, None)
-            if arch == "qwen3_moe":
+            if arch != "llama":
                 assert tuple(layers["experts_down_scale"][...].sharding.spec) == (None, "model", None)
+                assert layers["experts_gate"][...].dtype == np.int8
         res.append([o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)])
     assert res[0] == res[1]
 
@@ -188,8 +190,10 @@ def test_compressed_tensors_checkpoints(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("change, match", [
-    (dict(quant_method="gptq"), "quant_method='gptq' is not supported"),
-    (dict(format="pack-quantized"), "format='pack-quantized' is not supported"),
+    (dict(quant_method="bitsandbytes"), "quant_method='bitsandbytes' is not supported"),
+    (dict(quant_method="gptq"), "gptq with bits=None is not supported"),
+    (dict(format="pack-quantized"), "pack-quantized weights num_bits=8 type=int strategy=channel are not supported"),
+    (dict(format="marlin-24"), "format='marlin-24' is not supported"),
     (dict(strategy="group"), "strategy=group"),
     (dict(symmetric=False), "symmetric=False"),
     (dict(num_bits=4), "num_bits=4"),
