@@ -30,7 +30,6 @@ from __future__ import annotations
 import numpy as np
 import ml_dtypes
 
-PACKED_METHODS = ("mxfp4", "awq", "gptq", "compressed-tensors/pack-quantized")
 _FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                        np.float32)
 MXFP4_BLOCK = 32  # values per shared exponent
@@ -38,8 +37,8 @@ _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds column _
 
 
 def packed_method(qc: dict | None) -> str | None:
-    """The format of ``quantization_config`` if it is one decoded at read (PACKED_METHODS),
-    else None. ValueError for a packed format's variant not supported (bits, layout)."""
+    """The format of ``quantization_config`` if it is one decoded at read (mxfp4, awq, gptq,
+    compressed-tensors/pack-quantized), else None. ValueError for a packed format's variant not supported (bits, layout)."""
     if not qc:
         return None
     method = qc.get("quant_method")
@@ -127,11 +126,6 @@ def decode_pack_quantized(packed, scale, shape=None) -> np.ndarray:
     return q * scale.astype(np.float32)[:, cols]
 
 
-def float_dtype(dtype_name: str):
-    """The safetensors name of the dtype a decoded tensor is presented in."""
-    return {"F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32}[dtype_name]
-
-
 # ---------------------------------------------------------------- reference packers
 # The inverse of the decoders, from float weights, following each format's layout: what
 # the tests and benchmarks/bench_quantization.py write checkpoints with (no torch, no
@@ -167,12 +161,29 @@ def quantize_groups(w_in_out: np.ndarray, group_size: int, symmetric: bool, rows
     return q.astype(np.uint8), zeros.astype(np.uint8), scales.astype(np.float32)
 
 
+def pack_mxfp4(w_out_in: np.ndarray):
+    """A float array [..., out, in] (in a multiple of 32) -> (blocks uint8 [..., out, in /
+    32, 16], scales uint8 [..., out, in / 32], the float32 [..., out, in] they decode to):
+    per 32 values the power of two that fits the largest magnitude to 6, each value
+    rounded to the nearest e2m1 magnitude with its sign."""
+    *lead, out, inp = w_out_in.shape
+    groups = np.asarray(w_out_in, np.float32).reshape(*lead, out, inp // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = np.abs(groups).max(axis=-1, keepdims=True)
+    exp = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), 0).astype(np.int32)
+    scaled = groups / np.exp2(exp)
+    codes = (np.abs(scaled[..., None] - _FP4_VALUES[:8]).argmin(axis=-1) + 8 * (scaled < 0)).astype(np.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # low nibble first
+    values = (_FP4_VALUES[codes] * np.exp2(exp)).reshape(*lead, out, inp)
+    # C order: safetensors' numpy writer stores the buffer as it lies, strides ignored.
+    scales = np.ascontiguousarray((exp[..., 0] + 127).astype(np.uint8))
+    return np.ascontiguousarray(blocks), scales, values
+
+
 def pack_awq(w_out_in: np.ndarray, group_size: int):
     """An HF Linear weight [out, in] -> (AWQ tensors {qweight, qzeros, scales (float16)},
     the float32 [out, in] they decode to)."""
     q, z, s = quantize_groups(np.asarray(w_out_in).T, group_size, symmetric=False)
-    s = s.astype(np.float16)
-    s = np.ascontiguousarray(s)
+    s = np.ascontiguousarray(s.astype(np.float16))
     parts = {"qweight": pack_int4(q, 1, _AWQ_ORDER), "qzeros": pack_int4(z, 1, _AWQ_ORDER), "scales": s}
     return parts, decode_awq(parts["qweight"], parts["qzeros"], s, group_size)
 

@@ -79,7 +79,7 @@ class SafetensorsCheckpoint:
     """The tensors of a folder's safetensors files by name; ``read`` returns one index
     range of a tensor. Only the headers are read up front.
 
-    Packed formats (MXFP4, AWQ, GPTQ: models/packed_formats.py) are seen as the float
+    Packed formats (MXFP4, AWQ, GPTQ, W4A16: models/packed_formats.py) are seen as the float
     tensors HF's dequantized model holds: their parts leave ``tensors`` and the tensor
     they decode to takes their place, decoded when it is read."""
 

@@ -143,32 +143,6 @@ def _write_byte_tokenizer(path: Path, vocab: int) -> None:
     fast.save_pretrained(path)
 
 
-_FP4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
-
-
-def mxfp4_pack(w):
-    """A float array [..., out, in] (in a multiple of 32) as OCP MXFP4, the format of
-    OpenAI's GPT-OSS experts: (blocks uint8 [..., out, in / 32, 16], two e2m1 codes per
-    byte, low nibble first; scales uint8 [..., out, in / 32], a power-of-two exponent with
-    bias 127 per 32 values, chosen so that the group's largest magnitude fits 6), and the
-    values they decode to (float32 [..., out, in])."""
-    import numpy as np
-
-    table = np.array(_FP4, np.float32)
-    *lead, out, inp = w.shape
-    groups = w.reshape(*lead, out, inp // 32, 32).astype(np.float32)
-    amax = np.abs(groups).max(axis=-1, keepdims=True)
-    exp = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), 0).astype(np.int32)
-    scaled = groups / np.exp2(exp)
-    codes = np.abs(scaled[..., None] - table[:8]).argmin(axis=-1) + 8 * (scaled < 0)  # nearest magnitude, sign bit
-    codes = codes.astype(np.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    values = (table[codes] * np.exp2(exp)).reshape(*lead, out, inp)
-    # C order: safetensors' numpy writer stores the buffer as it lies, strides ignored.
-    scales = np.ascontiguousarray((exp[..., 0] + 127).astype(np.uint8))
-    return np.ascontiguousarray(blocks), scales, values
-
-
 def write_mxfp4_gpt_oss(src: Path, float_dst: Path, mxfp4_dst: Path) -> None:
     """From a float GPT-OSS folder, two folders of the same model: its experts rounded
     to MXFP4 and stored as floats (``float_dst``, HF's reference) and as OpenAI ships
@@ -179,11 +153,13 @@ def write_mxfp4_gpt_oss(src: Path, float_dst: Path, mxfp4_dst: Path) -> None:
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
+    from models.packed_formats import pack_mxfp4
+
     tensors = load_file(str(src / "model.safetensors"))
     floats, packed = dict(tensors), dict(tensors)
     for name, w in tensors.items():
         if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):  # [E, in, out]
-            blocks, scales, values = mxfp4_pack(np.swapaxes(w, 1, 2))
+            blocks, scales, values = pack_mxfp4(np.swapaxes(w, 1, 2))
             floats[name] = np.ascontiguousarray(np.swapaxes(values, 1, 2))
             del packed[name]
             packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
