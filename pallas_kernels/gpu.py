@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.inputs import compute_dtype, layer_index, validate_inputs
+from pallas_kernels.inputs import compute_dtype, layer_index, rows_per_kv_head, validate_inputs
 from pallas_kernels.reference import sink_factor
 
 _KV_BLOCK = 64  # keys per inner-loop iteration
@@ -84,7 +84,8 @@ def _kernel(
 ):
     item, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_splits = pl.num_programs(2)
-    _, page_size, _, head_dim = kv_ref.shape[-4:]
+    _, page_size, two_k, head_dim = kv_ref.shape[-4:]
+    pair = 1 if two_k == 1 else 2  # one latent row (MLA): the key and the value
 
     def kv_at(page, slot, row, col):
         if len(kv_ref.shape) == 5:
@@ -138,8 +139,9 @@ def _kernel(
         )
         slot = kpos % page_size
         kv_mask = key_ok[:, None] & hd_ok[None, :]
-        k = plgpu.load(kv_at(page[:, None], slot[:, None], 2 * kv_head, hd_c[None, :]), mask=kv_mask, other=0.0)
-        v = plgpu.load(kv_at(page[:, None], slot[:, None], 2 * kv_head + 1, hd_c[None, :]), mask=kv_mask, other=0.0)
+        k = plgpu.load(kv_at(page[:, None], slot[:, None], pair * kv_head, hd_c[None, :]), mask=kv_mask, other=0.0)
+        v = k if pair == 1 else plgpu.load(kv_at(page[:, None], slot[:, None], 2 * kv_head + 1, hd_c[None, :]),
+                                           mask=kv_mask, other=0.0)
         k, v = compute_dtype(k, q.dtype), compute_dtype(v, q.dtype)  # fp8 cache: widened in registers
         s = lax.dot_general(
             q, k.astype(q.dtype), (((1,), (1,)), ((), ())),
@@ -201,8 +203,7 @@ def _work_items(cu_q_lens, kv_lens, num_seqs, num_items: int, bq: int):
 def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, sinks, *, rows, kv_splits, sm_scale,
             sliding_window, soft_cap, interpret, num_warps, num_stages):
     t, n, h = q.shape
-    two_k = kv_cache.shape[-2]
-    k_heads = two_k // 2
+    k_heads = kv_cache.shape[-2] // rows_per_kv_head(kv_cache)
     groups = n // k_heads
     gp = _next_pow2(groups)
     bq = max(1, rows // gp)
@@ -297,7 +298,7 @@ def ragged_paged_attention(
     r, pages_per_seq = page_indices.shape
     num_seqs = jnp.clip(jnp.reshape(num_seqs, (-1,))[0].astype(jnp.int32), 0, r)
     max_kv_blocks = pl.cdiv(pages_per_seq * page_size, _KV_BLOCK)
-    splits = kv_splits or default_kv_splits(r, two_k // 2, max_kv_blocks)
+    splits = kv_splits or default_kv_splits(r, two_k // rows_per_kv_head(kv_cache), max_kv_blocks)
     common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
                   num_warps=num_warps, num_stages=num_stages)
 

@@ -9,6 +9,22 @@ import jax.numpy as jnp
 from pallas_kernels.storage import BF16_BITS, to_bf16_bits
 
 
+def rows_per_kv_head(kv_cache) -> int:
+    """How many cache rows each KV head has on axis -2: 2 (its K row, then its V row) in
+    the [.., S, 2K, H] layout; 1 in the latent layout [.., S, 1, H] of Multi-head Latent
+    Attention (DeepSeek), whose one row per token is both the key and the value (the
+    value is its first kv_lora_rank entries: the model drops the rest of the output).
+    A regular cache always has an even, nonzero row count, so one row means latent."""
+    return 1 if kv_cache.shape[-2] == 1 else 2
+
+
+def new_cache_rows(k, v):
+    """The rows a token writes: K and V interleaved [T, 2K, H], or the latent k [T, 1, H]
+    alone when ``v`` is None (rows_per_kv_head)."""
+    t, kh, h = k.shape
+    return k if v is None else jnp.stack([k, v], axis=2).reshape(t, 2 * kh, h)
+
+
 def validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, *, sliding_window=None, soft_cap=None):
     """Static shape / dtype checks of ragged paged attention's arguments (ValueError on mismatch)."""
     t, n, h = q.shape
@@ -17,10 +33,11 @@ def validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, *, sliding_wi
     _, _, two_k, hk = kv_cache.shape[-4:]
     if hk != h:
         raise ValueError(f"head_dim of q ({h}) and kv_cache ({hk}) differ")
-    if two_k % 2:
-        raise ValueError(f"kv_cache axis 2 must hold 2K interleaved rows, got {two_k}")
-    if n % (two_k // 2):
-        raise ValueError(f"{n} query heads are not a multiple of {two_k // 2} kv heads")
+    if two_k % 2 and two_k != 1:
+        raise ValueError(f"kv_cache axis 2 must hold 2K interleaved rows (or 1 latent row), got {two_k}")
+    k_heads = two_k // rows_per_kv_head(kv_cache)
+    if n % k_heads:
+        raise ValueError(f"{n} query heads are not a multiple of {k_heads} kv heads")
     r = page_indices.shape[0]
     if kv_lens.shape != (r,) or cu_q_lens.shape != (r + 1,):
         raise ValueError(

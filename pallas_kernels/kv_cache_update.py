@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.inputs import layer_index, to_cache_dtype
+from pallas_kernels.inputs import layer_index, new_cache_rows, to_cache_dtype
 
 _TOKENS_PER_BLOCK = 128
 
@@ -60,14 +60,15 @@ def write_kv_cache(kv_cache, k, v, slot_mapping, *, layer=None, interpret=False)
     """Write new tokens' K/V into the paged cache in place.
 
     kv_cache: [P, S, 2K, H], or [L, P, S, 2K, H] with ``layer`` (int32 scalar) for a
-    cache stacked over layers (donated); k, v: [T, K, H]; slot_mapping: [T] int32
+    cache stacked over layers (donated); k, v: [T, K, H] (the latent layout: k [T, 1, H],
+    v None, as reference.write_kv_cache); slot_mapping: [T] int32
     (slot = page * S + offset; slots in page 0 or out of range are skipped).
     Returns the updated cache.
     """
     layer = layer_index(kv_cache, layer)
     page_size, two_k, head_dim = kv_cache.shape[-3:]
     t = k.shape[0]
-    new = to_cache_dtype(jnp.stack([k, v], axis=2).reshape(t, two_k, head_dim), kv_cache.dtype)
+    new = to_cache_dtype(new_cache_rows(k, v), kv_cache.dtype)
     bt = min(_TOKENS_PER_BLOCK, t)
     t_pad = pl.cdiv(t, bt) * bt
     if t_pad != t:

@@ -4,8 +4,10 @@ Shapes (docs/design.md §4): T tokens, N query heads, K kv heads, H head dim, R 
 P pages, S page size, Pmax pages per request.
 
 KV cache layout, per layer: ``kv_cache[P, S, 2K, H]`` with K and V interleaved on
-axis 2 (row 2h is K of kv head h, row 2h+1 its V). Page 0 is the null page: padded
-tokens write there and nothing valid reads it.
+axis 2 (row 2h is K of kv head h, row 2h+1 its V). Multi-head Latent Attention
+(DeepSeek) keeps one row per token, ``[P, S, 1, H]``: the key and the value are that
+row (inputs.rows_per_kv_head). Page 0 is the null page: padded tokens write there and
+nothing valid reads it.
 
 In steps of at least _SPLIT_TOKENS tokens (prefill-sized), each query's keys fall in
 two parts, attended separately and merged by their log-sum-exp (vLLM's
@@ -36,7 +38,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.inputs import to_cache_dtype
+from pallas_kernels.inputs import new_cache_rows, rows_per_kv_head, to_cache_dtype
 from pallas_kernels.storage import from_bf16_bits
 
 # Prefix part: pages gathered per loop iteration, at most: enough work per iteration to
@@ -92,12 +94,12 @@ def write_kv_cache(kv_cache, k, v, slot_mapping, *, layer=None):
 
     kv_cache: [P, S, 2K, H], or [L, P, S, 2K, H] with ``layer`` (a scalar index) for
     caches stacked over layers (written in place inside a layer scan, no slice copy);
-    k, v: [T, K, H]; slot_mapping: [T] int32 (slot = page * S + offset; padded tokens
-    point into the null page 0). Returns the updated cache (in place when donated).
+    k, v: [T, K, H] (the latent layout [.., S, 1, H]: k [T, 1, H] and v None,
+    inputs.rows_per_kv_head); slot_mapping: [T] int32 (slot = page * S + offset; padded
+    tokens point into the null page 0). Returns the updated cache (in place when donated).
     """
-    page_size, two_k, head_dim = kv_cache.shape[-3:]
-    t = k.shape[0]
-    new = to_cache_dtype(jnp.stack([k, v], axis=2).reshape(t, two_k, head_dim), kv_cache.dtype)
+    page_size = kv_cache.shape[-3]
+    new = to_cache_dtype(new_cache_rows(k, v), kv_cache.dtype)
     pages = slot_mapping // page_size
     offsets = slot_mapping % page_size
     if layer is not None:
@@ -144,7 +146,7 @@ def ragged_paged_attention(
     Returns o: [T, N, H] in q's dtype; padded tokens get zeros.
     """
     t, n, h = q.shape
-    k_heads = kv_cache.shape[-2] // 2
+    k_heads = kv_cache.shape[-2] // rows_per_kv_head(kv_cache)
     r = page_indices.shape[0]
 
     req = token_request_index(cu_q_lens, num_seqs, t)  # [T]
@@ -255,7 +257,8 @@ def _attend_step_tokens(qs, kv_cache, page_indices, cu_q_lens, req, req_c, valid
     # the prefix part sees them): one gather of T rows.
     pos0 = jnp.maximum(tok_pos, 0)
     pages = jnp.where(valid_tok, page_indices[req_c, pos0 // page_size], 0)
-    kv = _read_kv(kv_cache, layer, pages, pos0 % page_size).reshape(t, k_heads, 2, h)
+    pair = rows_per_kv_head(kv_cache)
+    kv = _read_kv(kv_cache, layer, pages, pos0 % page_size).reshape(t, k_heads, pair, h)
     kv = jnp.where(valid_tok[:, None, None, None], kv, 0.0)  # padded tokens' slots may hold NaN
 
     bt = min(_TILE, t)
@@ -269,7 +272,7 @@ def _attend_step_tokens(qs, kv_cache, page_indices, cu_q_lens, req, req_c, valid
     # one more tile of padding (index nt) that matches no query and no key.
     q_t = jnp.moveaxis(tiles(qs, 0.0), 1, 3).reshape(nt, k_heads, groups * bt, h)
     k_t = jnp.moveaxis(tiles(kv[:, :, 0], 0.0), 1, 2)
-    v_t = jnp.moveaxis(tiles(kv[:, :, 1], 0.0), 1, 3)
+    v_t = jnp.moveaxis(tiles(kv[:, :, pair - 1], 0.0), 1, 3)
     k_t, v_t = (jnp.concatenate([x, jnp.zeros_like(x[:1])]) for x in (k_t, v_t))
     pos_t = tiles(tok_pos, -1)  # [NT, Bt]
     qreq_t = tiles(jnp.where(valid_tok, req, -1), -1)
@@ -362,6 +365,7 @@ def _attend_paged(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, 
     num_groups = (jnp.sum(blk_bound > 0) + gb - 1) // gb
 
     chunk = pages_per_chunk(gb, page_size, kv_cache.shape[-2], h, pmax)
+    pair = rows_per_kv_head(kv_cache)
     page_tab = jnp.pad(page_indices, ((0, 0), (0, (-pmax) % chunk)))
     chunk_tokens = chunk * page_size
     q_pad = jnp.concatenate([qs, jnp.zeros((1, k_heads, groups, h), jnp.float32)])
@@ -374,7 +378,7 @@ def _attend_paged(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, 
 
         def body(c, carry):
             pages = jax.lax.dynamic_slice_in_dim(g_pages, c * chunk, chunk, axis=1)  # [Gb, C]
-            kv = _read_kv(kv_cache, layer, pages).reshape(gb, chunk_tokens, k_heads, 2, h)
+            kv = _read_kv(kv_cache, layer, pages).reshape(gb, chunk_tokens, k_heads, pair, h)
             kpos = c * chunk_tokens + jnp.arange(chunk_tokens)  # [L]
             in_ctx = kpos[None, :] < g_bound[:, None]  # [Gb, L]
             if sliding_window is not None:
@@ -383,7 +387,7 @@ def _attend_paged(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, 
                 in_ctx &= kpos[None, :] > g_pos[:, :1] - sliding_window
             # Unused page slots may hold anything (NaN included): zero them before any product.
             kv = jnp.where(in_ctx[:, :, None, None, None], kv, 0.0)
-            keys, values = kv[..., 0, :], kv[..., 1, :]  # [Gb, L, K, H]
+            keys, values = kv[..., 0, :], kv[..., pair - 1, :]  # [Gb, L, K, H] (one row when latent)
             s = jnp.einsum("bqkgh,blkh->bkgql", qb, keys)
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
@@ -416,6 +420,7 @@ def _attend_pairs(qs, kv_cache, page_indices, req_c, valid_tok, tok_pos, *, slid
     page_size = kv_cache.shape[-3]
     r, pmax = page_indices.shape
     chunk = pairs_per_chunk(t, page_size, kv_cache.shape[-2], h)
+    pair = rows_per_kv_head(kv_cache)
 
     last = jnp.maximum(tok_pos, 0) // page_size
     first = jnp.zeros_like(last) if sliding_window is None else jnp.maximum(tok_pos - sliding_window + 1, 0) // page_size
@@ -439,7 +444,7 @@ def _attend_pairs(qs, kv_cache, page_indices, req_c, valid_tok, tok_pos, *, slid
         tok, page, page_no = take(pair_tok), take(pair_page), take(pair_page_no)
         # A bf16 cache multiplies in bf16 (q and the probabilities rounded to it, float32
         # accumulation): 5.7 against 6.2 ms per layer widened to f32 (64 decode rows).
-        kv = _read_kv(kv_cache, layer, page, keep_bf16=True).reshape(chunk, page_size, k_heads, 2, h)
+        kv = _read_kv(kv_cache, layer, page, keep_bf16=True).reshape(chunk, page_size, k_heads, pair, h)
         kpos = page_no[:, None] * page_size + jnp.arange(page_size)  # [C, S]
         qpos = pos_pad[tok][:, None]
         mask = kpos <= qpos
@@ -458,7 +463,7 @@ def _attend_pairs(qs, kv_cache, page_indices, req_c, valid_tok, tok_pos, *, slid
         m_pair_safe = jnp.where(jnp.isfinite(m_pair), m_pair, 0.0)
         p = jnp.exp(s - m_pair_safe[..., None])
         l_pair = jnp.sum(p, axis=-1)
-        acc_pair = jnp.einsum("ckgs,cskh->ckgh", p.astype(kv.dtype), kv[..., 1, :],
+        acc_pair = jnp.einsum("ckgs,cskh->ckgh", p.astype(kv.dtype), kv[..., pair - 1, :],
                               preferred_element_type=jnp.float32)
         # ...merged into its token's running state.
         m_new = m.at[tok].max(m_pair, mode="drop")

@@ -64,7 +64,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.inputs import compute_dtype, layer_index, validate_inputs
+from pallas_kernels.inputs import compute_dtype, layer_index, rows_per_kv_head, validate_inputs
 
 # Tokens per kv block we aim for, and the cap on pages (= DMA descriptors) per block.
 _KV_BLOCK_TOKENS = 256
@@ -103,10 +103,16 @@ def _load_kv(kv_bufs, buf, kv_head, *, hardware: bool):
     rows = npb * page_size
     if not hardware:
         x = kv_bufs[buf]  # [npb, S, 2K, H]
+        if two_k == 1:  # the latent layout: one row, the key and the value
+            k = x[:, :, 0, :].reshape(rows, head_dim)
+            return k, k
         k = x[:, :, 2 * kv_head, :].reshape(rows, head_dim)
         v = x[:, :, 2 * kv_head + 1, :].reshape(rows, head_dim)
         return k, v
     flat = kv_bufs.at[buf].reshape(rows * two_k, head_dim)
+    if two_k == 1:  # contiguous rows, nothing to unpack
+        k = flat[...]
+        return k, k
     if jnp.dtype(kv_bufs.dtype).itemsize == 4:
         k = flat[2 * kv_head :: two_k, :]
         v = flat[2 * kv_head + 1 :: two_k, :]
@@ -153,7 +159,7 @@ def _rpa_kernel(
 ):
     bq, num_heads, head_dim = q_ref.shape
     _, npb, page_size, two_k, _ = kv_bufs.shape
-    k_heads = two_k // 2
+    k_heads = max(two_k // 2, 1)  # one latent row: one KV head
     groups = num_heads // k_heads
     rows = bq * groups
     bkv = npb * page_size
@@ -326,7 +332,7 @@ def _attend(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, layer, sinks,
             sm_scale, sliding_window, soft_cap, interpret, vmem_limit_bytes):
     t, n, h = q.shape
     _, page_size, two_k, _ = kv_cache.shape[-4:]
-    k_heads = two_k // 2
+    k_heads = two_k // rows_per_kv_head(kv_cache)
     groups = n // k_heads
     t_pad = _next_multiple(t, bq)
     if t_pad != t:
@@ -415,7 +421,8 @@ def ragged_paged_attention(
     layer = layer_index(kv_cache, layer)
     t, n, h = q.shape
     _, page_size, two_k, _ = kv_cache.shape[-4:]
-    groups = n // (two_k // 2)
+    k_heads = two_k // rows_per_kv_head(kv_cache)
+    groups = n // k_heads
     r, pages_per_seq = page_indices.shape
     num_seqs = jnp.clip(jnp.reshape(num_seqs, (-1,))[:1].astype(jnp.int32), 0, r)
     pages_flat = page_indices.reshape(-1)
@@ -429,7 +436,7 @@ def ragged_paged_attention(
             need = (
                 2 * npb * page_bytes  # kv double buffer
                 + 4 * bq * n * h * jnp.dtype(q.dtype).itemsize  # q and o blocks, double-buffered
-                + 4 * (two_k // 2) * rows * (2 * _LANES + h)  # m, l, acc
+                + 4 * k_heads * rows * (2 * _LANES + h)  # m, l, acc
                 + 8 * rows * npb * page_size * 4  # scores and probabilities
             )
             limit = min(max(32 * 2**20, 2 * need), 64 * 2**20)

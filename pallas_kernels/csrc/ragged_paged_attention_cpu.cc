@@ -78,7 +78,8 @@ struct Problem {
   int64_t elem_bytes;
   const float* lut;  // [256] for kCacheByteLut
   const float* sinks;  // [N] attention sinks (GPT-OSS), or nullptr: none
-  int64_t num_pages, page_size, two_k, n_heads, groups, head_dim, pmax;
+  // pair: rows per KV head in a slot, 2 (K then V) or 1 (MLA's latent row, both K and V).
+  int64_t num_pages, page_size, two_k, pair, n_heads, groups, head_dim, pmax;
   const int32_t* page_indices;
   float sm_scale, soft_cap;  // soft_cap 0: none
   int64_t window;            // 0: none
@@ -268,7 +269,7 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
   // An item reads its heads' rows of each slot: one contiguous run (all of the slot when
   // it has every head), which the hardware prefetcher follows within a page. Pages are
   // scattered, so the next tiles' runs are asked for ahead.
-  const int64_t run_begin = 2 * it.kh0 * row_bytes, run_bytes = 2 * heads * row_bytes;
+  const int64_t run_begin = p.pair * it.kh0 * row_bytes, run_bytes = p.pair * heads * row_bytes;
   constexpr int kPrefetchTiles = 2;
   auto prefetch_tile = [&](int64_t k0) {
     for (int j = 0; j < kTile; ++j)
@@ -287,9 +288,9 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
       // This head's K and V rows of the tile (absent keys read as zeros, so that a NaN
       // in an unused slot never reaches a product), and the scores [head_rows, kTile].
       for (int j = 0; j < kTile; ++j) {
-        const uint8_t* k_row = slots[j] ? slots[j] + 2 * kh * row_bytes : nullptr;
+        const uint8_t* k_row = slots[j] ? slots[j] + p.pair * kh * row_bytes : nullptr;
         const float* kr = load_row<kHV>(p, k_row, keys + j * hp);
-        vrow[j] = load_row<kHV>(p, k_row ? k_row + row_bytes : nullptr, values + j * hp);
+        vrow[j] = p.pair == 1 ? kr : load_row<kHV>(p, k_row ? k_row + row_bytes : nullptr, values + j * hp);
         if (transposed) {
           for (int64_t d = 0; d < hp; ++d) keys_t[d * kTile + j] = kr[d];
         } else {
@@ -444,8 +445,9 @@ ffi::Error Attention(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi:
   p.num_pages = num_pages;
   p.page_size = page_size;
   p.two_k = two_k;
+  p.pair = two_k == 1 ? 1 : 2;  // one row per slot: the latent layout
   p.n_heads = n;
-  p.groups = n / (two_k / 2);
+  p.groups = n / (two_k / p.pair);
   p.head_dim = h;
   p.pmax = pmax;
   p.page_indices = page_indices.typed_data();
@@ -460,7 +462,7 @@ ffi::Error Attention(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi:
   const int32_t* lens = kv_lens.typed_data();
   const int32_t* cu = cu_q_lens.typed_data();
   const int64_t seqs = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, r);
-  const int64_t k_heads = two_k / 2;
+  const int64_t k_heads = two_k / p.pair;
   // Items of every KV head, contiguous reads of whole slots; split per head when there
   // are too few items to keep the threads busy (a long single-request decode).
   std::vector<Item> items;

@@ -40,13 +40,15 @@ def make_batch(
     extra_pages_per_seq: int = 1,
     garbage_page_table: bool = False,
     seed: int = 0,
+    latent: bool = False,
 ) -> Batch:
     """A batch of requests ``seqs = [(q_len, kv_len), ...]`` over a shuffled paged cache.
 
     Unused cache slots (page 0, spare pages, the tail of each last page) hold NaN; page
     tables use a random permutation of pages; padded tokens and rows past num_seqs hold
     junk that must not matter. ``garbage_page_table`` fills unused page-table entries
-    with out-of-range page ids (a kernel must never fetch them).
+    with out-of-range page ids (a kernel must never fetch them). ``latent``: MLA's
+    layout, one row per slot that is both key and value (num_kv_heads is ignored).
     """
     rng = np.random.default_rng(seed)
     seqs = tuple((int(a), int(b)) for a, b in seqs)
@@ -54,7 +56,8 @@ def make_batch(
     pmax = max([1, *n_pages]) + extra_pages_per_seq
     num_pages = 1 + sum(n_pages) + spare_pages
     perm = rng.permutation(np.arange(1, num_pages))
-    cache = np.full((num_pages, page_size, 2 * num_kv_heads, head_dim), np.nan, np.float32)
+    rows = 1 if latent else 2 * num_kv_heads
+    cache = np.full((num_pages, page_size, rows, head_dim), np.nan, np.float32)
     r = len(seqs) + pad_seqs
     page_indices = rng.integers(0, num_pages, size=(r, pmax)).astype(np.int32)
     if garbage_page_table:
@@ -65,7 +68,7 @@ def make_batch(
         pos += n_pages[i]
         page_indices[i, : len(pages)] = pages
         for j in range(kv):
-            cache[pages[j // page_size], j % page_size] = rng.standard_normal((2 * num_kv_heads, head_dim))
+            cache[pages[j // page_size], j % page_size] = rng.standard_normal((rows, head_dim))
     q_lens = [a for a, _ in seqs]
     cu = np.zeros(r + 1, np.int32)
     cu[1 : len(seqs) + 1] = np.cumsum(q_lens)
@@ -97,12 +100,14 @@ def naive_attention(batch: Batch, *, sm_scale, sliding_window=None, soft_cap=Non
     cu = np.asarray(batch.cu_q_lens)
     t, n, h = q.shape
     _, page_size, two_k, _ = cache.shape
-    groups = n // (two_k // 2)
+    pair = 1 if two_k == 1 else 2  # one latent row: the key and the value
+    k_heads = two_k // pair
+    groups = n // k_heads
     out = np.zeros((t, n, h))
     for r, (q_len, kv_len) in enumerate(batch.seqs):
         slots = [(page_indices[r, j // page_size], j % page_size) for j in range(kv_len)]
-        keys = np.stack([cache[p, o, 0::2] for p, o in slots]) if slots else np.zeros((0, two_k // 2, h))
-        vals = np.stack([cache[p, o, 1::2] for p, o in slots]) if slots else np.zeros((0, two_k // 2, h))
+        keys = np.stack([cache[p, o, 0::pair] for p, o in slots]) if slots else np.zeros((0, k_heads, h))
+        vals = np.stack([cache[p, o, pair - 1::pair] for p, o in slots]) if slots else np.zeros((0, k_heads, h))
         for i in range(q_len):
             tok = cu[r] + i
             pos = kv_len - q_len + i
