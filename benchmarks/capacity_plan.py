@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax.numpy as jnp  # noqa: E402
 
-from jaxserve.runner.kv_cache import bytes_per_block, determine_num_blocks  # noqa: E402
+from jaxserve.runner.kv_cache import bytes_per_block, determine_num_blocks, devices_per_block  # noqa: E402
 from models.base import MODEL  # noqa: E402
 from models.config import ModelArchConfig  # noqa: E402
 from models.registry import get_model_class  # noqa: E402
@@ -112,7 +112,7 @@ def plan(cfg: dict, chip: str, chips: int, *, batch: int, context: int, prefill:
                                       gpu_memory_utilization=util, kv_cache_memory=None, num_gpu_blocks_override=None,
                                       device=_Device(limit, wb), tensor_parallel_size=tp, num_devices=chips)
         tokens = (blocks - 1) * block_size
-        kv_per_token_chip = bytes_per_block(arch, block_size, dtype) / block_size / tp
+        kv_per_token_chip = bytes_per_block(arch, block_size, dtype) / block_size / devices_per_block(arch, tp)
         b = min(batch, tokens // context)  # the decode batch the cache holds at this context
         # A decode step reads the experts its b tokens route to; prefill multiplies each
         # token by its top-k experts only.

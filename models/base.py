@@ -44,6 +44,9 @@ class Weight:
     row_offset: str | None = None
     fused_rows: str | None = None
     fused_stride: int = 1
+    # The checkpoint layer of stacked index 0 (a dims expression): DeepSeek's MoE layers
+    # are stacked from layer first_k_dense_replace on. None: 0.
+    layer_offset: str | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -54,11 +57,17 @@ class Weight:
         """The placeholders stacked on the leading axes, in axis order ("i", then "e")."""
         return tuple(k for k in ("i", "e") if "{" + k + "}" in self.hf_name)
 
+    def tensor_name(self, config: ModelArchConfig, idx: tuple[int, ...]) -> str:
+        """The checkpoint name of the tensor at ``idx`` on the stacked axes."""
+        names = dict(zip(self.stacked, idx))
+        if self.layer_offset is not None and "i" in names:
+            names["i"] += dim_size(config, self.layer_offset)
+        return self.hf_name.format(**names)
+
     def tensor_names(self, config: ModelArchConfig) -> list[tuple[tuple[int, ...], str]]:
         """(index on the stacked axes, checkpoint name) of every tensor this param reads."""
         sizes = self.shape(config)[:len(self.stacked)]
-        return [(idx, self.hf_name.format(**dict(zip(self.stacked, idx))))
-                for idx in itertools.product(*(range(n) for n in sizes))]
+        return [(idx, self.tensor_name(config, idx)) for idx in itertools.product(*(range(n) for n in sizes))]
 
     @property
     def partition(self) -> tuple[str | None, ...]:

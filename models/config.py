@@ -48,6 +48,28 @@ class ModelArchConfig:
     # GPT-OSS's clamped SwiGLU in the experts, (alpha, limit) (models/moe.py: glu); None: SiLU * up.
     swiglu: tuple[float, float] | None = None
     attention_sinks: bool = False  # GPT-OSS: a learned logit per head in each softmax's denominator
+    # Multi-head Latent Attention (DeepSeek-V2 / V3, models/deepseek.py); kv_lora_rank 0: none.
+    # Each token caches one latent of kv_lora_rank plus its rope key of head_dim (the rope
+    # dims, qk_rope_head_dim): the KV cache is [L, P, S, 1, kv_lora_rank + head_dim].
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: q_proj is one matrix (V2-Lite)
+    qk_nope_head_dim: int = 0
+    qk_head_dim: int = 0  # qk_nope_head_dim + the rope dims
+    v_head_dim: int = 0
+    softmax_scale: float | None = None  # the scores' scale when it is not head_dim ** -0.5 (MLA's)
+    rope_interleave: bool = False  # rotary pairs are (x0, x1), (x2, x3), ... (DeepSeek), not halves
+    # DeepSeek's MoE: the first dense_layers layers have a dense MLP, the other sparse_layers
+    # the experts; group-limited routing (n_group groups, the best topk_group of them),
+    # softmax or sigmoid scores, a correction bias for the choice (V3), weights scaled by
+    # routed_scaling_factor; shared experts: shared_expert_intermediate_size, ungated.
+    dense_layers: int = 0
+    sparse_layers: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    scoring_func: str = "softmax"
+    group_score: str = "max"  # a group's score: its best expert ("max", V2) or best two ("top2", V3)
+    routed_scaling_factor: float = 1.0
+    score_correction_bias: bool = False
     # Experts laid out over the 'model' axis whole (E / tp per device) instead of split
     # by their mlp dim (models/sharding.py: arch_for_tensor_parallel).
     expert_parallel: bool = False
@@ -78,6 +100,19 @@ class ModelArchConfig:
     def __post_init__(self) -> None:
         if self.padded_vocab_size is None:
             object.__setattr__(self, "padded_vocab_size", self.vocab_size)
+
+    @property
+    def latent_kv(self) -> bool:
+        """The KV cache holds MLA's one latent row per token (1 row, not 2K)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_cache_rows(self) -> tuple[int, int]:
+        """(rows, width) of one token's KV in one layer: (2K, head_dim), or MLA's (1,
+        kv_lora_rank + rope dims)."""
+        if self.latent_kv:
+            return 1, self.kv_lora_rank + self.head_dim
+        return 2 * self.num_key_value_heads, self.head_dim
 
     @staticmethod
     def from_hf_dict(cfg: dict) -> "ModelArchConfig":
@@ -139,8 +174,9 @@ def checkpoint_architecture(folder: Path, cfg: dict) -> str | None:
 
 def attention_settings(arch: ModelArchConfig) -> dict:
     """The keyword arguments of pallas_kernels.backend.build_attention for this model."""
-    return dict(sm_scale=(arch.query_pre_attn_scalar or arch.head_dim) ** -0.5, sliding_window=arch.sliding_window,
-                sliding_window_layers=arch.sliding_window_layers, soft_cap=arch.attn_logit_softcapping)
+    scale = arch.softmax_scale or (arch.query_pre_attn_scalar or arch.head_dim) ** -0.5
+    return dict(sm_scale=scale, sliding_window=arch.sliding_window, sliding_window_layers=arch.sliding_window_layers,
+                soft_cap=arch.attn_logit_softcapping, latent_kv=arch.latent_kv)
 
 
 def hf_common_fields(cfg: dict) -> dict:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 
 import jax
@@ -62,6 +63,55 @@ def route(router_logits, top_k: int, normalize: bool):
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek's router (V2's group-limited greedy, V3's noaux_tc): expert scores by
+    ``scoring`` ("softmax" over the experts, or each expert's "sigmoid"); the experts come
+    in ``n_group`` groups and only the ``topk_group`` best groups compete, a group scored
+    by its best expert ("max", V2) or its best two ("top2", V3), the experts outside them
+    masked to ``mask_value`` (V2: 0, V3: -inf); the choice may add a per-expert
+    correction bias (V3) that the weights never see; the k chosen scores are renormalised
+    (``normalize``) and scaled by ``scale`` (routed_scaling_factor)."""
+
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "max"
+    mask_value: float = 0.0
+    normalize: bool = False
+    scale: float = 1.0
+
+
+def route_grouped(router_logits, top_k: int, routing: GroupedRouting, score_bias=None):
+    """router_logits [T, E] -> (weights [T, k] float32, experts [T, k] int32) by ``routing``;
+    ``score_bias`` [E]: V3's e_score_correction_bias, added for the choice only."""
+    logits = router_logits.astype(jnp.float32)
+    scores = jax.nn.softmax(logits, axis=-1) if routing.scoring == "softmax" else jax.nn.sigmoid(logits)
+    choice = scores if score_bias is None else scores + score_bias.astype(jnp.float32)
+    t, e = choice.shape
+    if routing.n_group > 1:
+        grouped = choice.reshape(t, routing.n_group, e // routing.n_group)
+        if routing.group_score == "max":
+            group_scores = jnp.max(grouped, axis=-1)
+        else:
+            group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+        _, best = jax.lax.top_k(group_scores, routing.topk_group)  # [T, topk_group]
+        keep = jnp.any(best[..., None] == jnp.arange(routing.n_group), axis=-2)  # [T, n_group]
+        choice = jnp.where(jnp.repeat(keep, e // routing.n_group, axis=-1), choice, routing.mask_value)
+    _, experts = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if routing.normalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * routing.scale, experts.astype(jnp.int32)
+
+
+def _route(router_logits, top_k, normalize, routing, score_bias):
+    """route, or route_grouped when the model has a GroupedRouting."""
+    if routing is None:
+        return route(router_logits, top_k, normalize)
+    return route_grouped(router_logits, top_k, routing, score_bias)
 
 
 def _scaled(y, scale):
@@ -177,10 +227,11 @@ def _router_logits(x, router, router_bias):
     return logits if router_bias is None else logits + router_bias.astype(logits.dtype)
 
 
-def _moe_local(x, router, weights, scales, router_bias, biases, *, top_k, normalize, first_expert, swiglu):
+def _moe_local(x, router, weights, scales, router_bias, biases, score_bias, *, top_k, normalize, first_expert, swiglu,
+               routing):
     """One device's part: x [T, D] -> [T, D] partial sum of its experts (or mlp columns)."""
     t = x.shape[0]
-    gates, experts = route(_router_logits(x, router, router_bias), top_k, normalize)
+    gates, experts = _route(_router_logits(x, router, router_bias), top_k, normalize, routing, score_bias)
     mine = t * top_k * weights[0].shape[0] // router.shape[1]  # copies routed here, on average
     out = expert_mlp(jnp.repeat(x, top_k, axis=0), experts.reshape(-1), weights, scales, first_expert, mine,
                      biases=biases, swiglu=swiglu)
@@ -193,14 +244,15 @@ def _combine(copies, gates):
     return jnp.sum(copies.reshape(t, k, -1).astype(jnp.float32) * gates[..., None], axis=1)
 
 
-def _moe_alltoall(x, router, weights, scales, router_bias, biases, *, top_k, normalize, axis, ep, swiglu):
+def _moe_alltoall(x, router, weights, scales, router_bias, biases, score_bias, *, top_k, normalize, axis, ep, swiglu,
+                  routing):
     """Expert parallel by token exchange (see the module docstring); x [T, D] replicated
     over ``axis``, T a multiple of ``ep``."""
     t, d = x.shape
     me = jax.lax.axis_index(axis)
     num_local = weights[0].shape[0]
     mine = jax.lax.dynamic_slice_in_dim(x, me * (t // ep), t // ep)  # [Ts, D]
-    gates, experts = route(_router_logits(mine, router, router_bias), top_k, normalize)
+    gates, experts = _route(_router_logits(mine, router, router_bias), top_k, normalize, routing, score_bias)
     c = mine.shape[0] * top_k  # copies per device: the most one destination can get
     copies = jnp.repeat(mine, top_k, axis=0)  # [C, D]
     flat = experts.reshape(-1)
@@ -219,20 +271,22 @@ def _moe_alltoall(x, router, weights, scales, router_bias, biases, *, top_k, nor
 
 
 def moe_block(x, router, weights, scales=None, *, top_k: int, normalize: bool, mesh: Mesh | None,
-              expert_parallel: bool, strategy: str = "allgather", router_bias=None, biases=None, swiglu=None):
+              expert_parallel: bool, strategy: str = "allgather", router_bias=None, biases=None, swiglu=None,
+              routing: GroupedRouting | None = None, score_bias=None):
     """The MoE feed-forward of one layer. x: [T, D] (split over 'data' with data
     parallelism); router: [D, E]; weights = (gate [E, D, F], up [E, D, F], down
     [E, F, D]), laid out over 'model' by experts (``expert_parallel``) or by F; scales:
     None, or their int8 scales ([E, F], [E, F], [E, D]). GPT-OSS adds ``router_bias``
     [E], ``biases`` = (gate [E, F], up [E, F], down [E, D]) laid out as the weights'
     output axes, and its clamped activation ``swiglu`` = (alpha, limit) (``glu``).
-    Returns [T, D]."""
-    kw = dict(top_k=top_k, normalize=normalize, swiglu=swiglu)
+    DeepSeek's ``routing`` (GroupedRouting) replaces softmax-top-k, with its
+    ``score_bias`` [E] (None: none). Returns [T, D]."""
+    kw = dict(top_k=top_k, normalize=normalize, swiglu=swiglu, routing=routing)
     weights = tuple(weights)
     scales = tuple(scales) if scales is not None else None
     biases = tuple(biases) if biases is not None else None
     if mesh is None or mesh.size == 1:
-        return _moe_local(x, router, weights, scales, router_bias, biases, first_expert=0, **kw)
+        return _moe_local(x, router, weights, scales, router_bias, biases, score_bias, first_expert=0, **kw)
     tp = mesh.shape["model"]
     tokens = P("data", None)
     if expert_parallel:
@@ -241,24 +295,25 @@ def moe_block(x, router, weights, scales=None, *, top_k: int, normalize: bool, m
         w_specs = (P(None, None, "model"), P(None, None, "model"), P(None, "model", None))
         s_specs = (P(None, "model"), P(None, "model"), P(None, None))
     in_specs = (tokens, P(), w_specs, s_specs if scales is not None else None,
-                None if router_bias is None else P(), s_specs if biases is not None else None)
+                None if router_bias is None else P(), s_specs if biases is not None else None,
+                None if score_bias is None else P())
     if expert_parallel and strategy == "alltoall" and tp > 1:
         if (x.shape[0] // mesh.shape["data"]) % tp:  # each device takes an equal share
             raise ValueError(f"the all-to-all exchange needs each rank's tokens to be a multiple of {tp}")
         local = functools.partial(_moe_alltoall, axis="model", ep=tp, **kw)
     else:
-        def local(x, router, weights, scales, router_bias, biases):
+        def local(x, router, weights, scales, router_bias, biases, score_bias):
             first = jax.lax.axis_index("model") * weights[0].shape[0] if expert_parallel else 0
             if biases is not None and not expert_parallel:
                 # Split by F, every device adds a partial down product: the down bias
                 # belongs to one of them only (the psum adds the rest).
                 first_rank = jax.lax.axis_index("model") == 0
                 biases = (biases[0], biases[1], jnp.where(first_rank, biases[2], jnp.zeros_like(biases[2])))
-            part = _moe_local(x, router, weights, scales, router_bias, biases, first_expert=first, **kw)
+            part = _moe_local(x, router, weights, scales, router_bias, biases, score_bias, first_expert=first, **kw)
             return jax.lax.psum(part, "model")
 
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tokens,
-                         check_vma=False)(x, router, weights, scales, router_bias, biases)
+                         check_vma=False)(x, router, weights, scales, router_bias, biases, score_bias)
 
 
 # Axis sizes of the expert params, as ModelArchConfig fields.

@@ -109,7 +109,7 @@ def plan_update(ckpt, arch: ModelArchConfig, model_cls, extra_ignored: tuple[str
         layers = tuple(sorted({idx[0] for idx in idxs}))
         missing = [idx for idx in every if idx[0] in layers and idx not in idxs]
         if missing:
-            raise ValueError(f"update_weights: {w.hf_name.format(**dict(zip(w.stacked, missing[0])))!r} is missing: "
+            raise ValueError(f"update_weights: {w.tensor_name(stored, missing[0])!r} is missing: "
                              f"a partial update gives every tensor of each layer it changes")
         plan.append(ParamUpdate(name, layers))
     return plan

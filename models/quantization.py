@@ -40,7 +40,7 @@ QUANTIZATION_METHODS = ("int8", "fp8")
 WEIGHT_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 SCALE = "_scale"
 # Per-layer projections that are never quantized (see the module docstring).
-_KEEP = ("router", "shared_expert_gate")
+_KEEP = ("router", "shared_expert_gate", "kv_b_proj")  # kv_b_proj: MLA reads it as a tensor
 _EXPERTS = ("experts_gate", "experts_up", "experts_down")  # models/moe.py's expert weights
 
 

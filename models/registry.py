@@ -12,6 +12,8 @@ _MODEL_REGISTRY = {
     "Gemma2ForCausalLM": ("models.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("models.gemma3", "Gemma3ForCausalLM"),
     "GptOssForCausalLM": ("models.gpt_oss", "GptOssForCausalLM"),
+    "DeepseekV2ForCausalLM": ("models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("models.deepseek", "DeepseekV3ForCausalLM"),
     "LlamaForCausalLM": ("models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("models.mistral", "MistralForCausalLM"),
     "MixtralForCausalLM": ("models.mixtral", "MixtralForCausalLM"),

@@ -271,7 +271,7 @@ class _ShardReader:
             ck_index[fused] = slice(a * k + off, (b - 1) * k + off + 1)
         for idx in itertools.product(*(range(a, b) for a, b in bounds[:ns])):
             names = idx if self.layers is None else (self.layers[idx[0]], *idx[1:])
-            data = self.ckpt.read(w.hf_name.format(**dict(zip(w.stacked, names))), tuple(ck_index))
+            data = self.ckpt.read(w.tensor_name(self.arch, names), tuple(ck_index))
             if w.fused_stride > 1:
                 data = data[(slice(None),) * fused + (slice(None, None, w.fused_stride),)]
             if w.transpose:

@@ -39,9 +39,18 @@ BACKENDS = ("auto", "reference", "pallas", "native")
 # by KV heads (axis 3) over 'model'; tokens [T, N, H] split the same way (a rank's tokens,
 # a device's heads), so each device attends on its own.
 KV_CACHE_PARTITION = P(None, "data", None, "model", None)
+# MLA's latent cache [L, P, S, 1, R + H_rope] has one row per token, read by every query
+# head: each 'model' device holds all of it (and writes the same rows), attending with its own heads.
+LATENT_KV_CACHE_PARTITION = P(None, "data", None, None, None)
 _HEADS_PARTITION = P("data", "model", None)
 _ROWS_PARTITION = P("data")  # every attention-metadata array: one rank's rows each
 _PLATFORM_ALIASES = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "cpu"}
+
+
+def kv_cache_partition(latent_kv: bool = False) -> P:
+    """The KV cache's partitioning over the mesh: KV_CACHE_PARTITION, or
+    LATENT_KV_CACHE_PARTITION for MLA's latent rows."""
+    return LATENT_KV_CACHE_PARTITION if latent_kv else KV_CACHE_PARTITION
 
 
 def _platform(platform: str | None) -> str:
@@ -170,7 +179,8 @@ def _kv_write_fn(backend: str, plat: str, interpret):
 
 def build_attention(spec: AttentionSpec, mesh: Mesh | None, *, sm_scale: float, sliding_window: int | None = None,
                     sliding_window_layers: tuple[bool, ...] | None = None, soft_cap: float | None = None,
-                    layer_group: tuple[int, ...] | None = None, layer_slot: tuple[int, ...] | None = None) -> Callable:
+                    layer_group: tuple[int, ...] | None = None, layer_slot: tuple[int, ...] | None = None,
+                    latent_kv: bool = False) -> Callable:
     """The per-layer attention of a model step (see the module docstring), with the
     kernel and KV write of ``spec`` (resolve_attention_spec).
 
@@ -194,7 +204,13 @@ def build_attention(spec: AttentionSpec, mesh: Mesh | None, *, sm_scale: float, 
     ``layer_group`` / ``layer_slot`` (KV cache groups, jaxserve/core/kv_cache_groups.py):
     model layer l reads and writes slot ``layer_slot[l]`` of the cache [slots, P, S, 2K, H]
     through group ``layer_group[l]``'s block table and slots (``md.block_tables`` [R, G, Pmax],
-    ``md.slot_mapping`` [T, G]). None: one group, layer l in slot l."""
+    ``md.slot_mapping`` [T, G]). None: one group, layer l in slot l.
+
+    ``latent_kv`` (Multi-head Latent Attention): the cache is [L, P, S, 1, R + H_rope] and
+    the attention is called with k = each token's latent row [T, 1, R + H_rope] and v None:
+    that row is both the key and the value of every query head (q: [T, N, R + H_rope], the
+    absorbed queries), so o is [T, N, R + H_rope] and the model keeps its first R entries.
+    The rows are replicated over 'model' (LATENT_KV_CACHE_PARTITION), the heads split."""
     attend = _attention_fn(spec.backend, spec.platform, spec.interpret, spec.batch_invariant)
     write = _kv_write_fn(spec.backend, spec.platform, spec.interpret)
     k_scale, v_scale = spec.k_scale, spec.v_scale
@@ -216,9 +232,13 @@ def build_attention(spec: AttentionSpec, mesh: Mesh | None, *, sm_scale: float, 
         """table[layer] for a Python int layer (unrolled) or a traced one (the layer scan)."""
         return table[layer] if isinstance(layer, int) else jnp.asarray(table, jnp.int32)[layer]
 
+    if latent_kv and k_scale != v_scale:
+        raise ValueError(f"a latent (MLA) KV cache stores one row for the key and the value: one scale, not "
+                         f"k_scale={k_scale} and v_scale={v_scale}")
+
     def local(q, k, v, kv_cache, layer, md, sinks=None):
         if k_scale != 1.0 or v_scale != 1.0:
-            k, v = k / k_scale, v / v_scale
+            k, v = k / k_scale, None if v is None else v / v_scale
         group = 0 if layer_group is None else lookup(layer_group, layer)
         slot = layer if layer_slot is None else lookup(layer_slot, layer)
         md = dataclasses.replace(md, slot_mapping=md.slot_mapping[:, group], block_tables=md.block_tables[:, group])
@@ -237,11 +257,14 @@ def build_attention(spec: AttentionSpec, mesh: Mesh | None, *, sm_scale: float, 
         return local
     heads = _HEADS_PARTITION
     md_specs = AttentionMetadata(*(_ROWS_PARTITION,) * 5)
-    specs = (heads, heads, heads, KV_CACHE_PARTITION, P(), md_specs)
-    plain = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(heads, KV_CACHE_PARTITION), check_vma=False)
+    cache = kv_cache_partition(latent_kv)
+    # A latent row (MLA) is every head's: whole on each 'model' device; v is None.
+    kv = (P("data", None, None), None) if latent_kv else (heads, heads)
+    specs = (heads, *kv, cache, P(), md_specs)
+    plain = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(heads, cache), check_vma=False)
     # Sinks [N] split over 'model' as the query heads are.
     with_sinks = jax.shard_map(local, mesh=mesh, in_specs=specs + (P("model"),),
-                               out_specs=(heads, KV_CACHE_PARTITION), check_vma=False)
+                               out_specs=(heads, cache), check_vma=False)
 
     def sharded(q, k, v, kv_cache, layer, md, sinks=None):
         if sinks is None:

@@ -80,16 +80,18 @@ def make_sequence_logprobs(runner, *, trainable: bool = False) -> Callable:
 
 
 def causal_attention(sm_scale: float, sliding_window: int | None = None, sliding_window_layers=None,
-                     soft_cap: float | None = None) -> Callable:
+                     soft_cap: float | None = None, latent_kv: bool = False) -> Callable:
     """The model's ``attention_fn`` for one whole sequence, dense and differentiable:
     q [T, N, H], k / v [T, K, H] -> o [T, N, H] (grouped-query heads; causal; a window of
     ``sliding_window`` keys on the layers ``sliding_window_layers`` marks, all when None;
     Gemma's score soft cap; GPT-OSS's ``sinks`` [N], one more logit per head in each
-    softmax). No KV cache: the one passed through comes back as it is."""
+    softmax; MLA's ``latent_kv``: k [T, 1, R + H_rope] is the value as well, v None). No KV
+    cache: the one passed through comes back as it is."""
     windows = None if sliding_window is None or sliding_window_layers is None else tuple(
         bool(w) for w in sliding_window_layers)
 
     def attention(q, k, v, kv_cache, layer, md, sinks=None):
+        v = k if v is None else v
         t, n, h = q.shape
         kh = k.shape[1]
         qf = q.astype(jnp.float32).reshape(t, kh, n // kh, h)

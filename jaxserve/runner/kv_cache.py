@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jaxserve.core.kv_cache_groups import KVCacheLayout, make_kv_cache_layout
 from jaxserve.core.kv_cache_utils import get_max_concurrency
 from models.config import ModelArchConfig
-from pallas_kernels.backend import KV_CACHE_PARTITION
+from pallas_kernels.backend import kv_cache_partition
 
 logger = logging.getLogger("jaxserve")
 
@@ -32,14 +32,22 @@ def kv_cache_layout(c: ModelArchConfig, *, free_window_blocks: bool = True) -> K
 
 def kv_cache_shape(c: ModelArchConfig, num_blocks: int, block_size: int, slots: int | None = None) -> tuple[int, ...]:
     """[L, P, S, 2K, H]: K and V interleaved on axis 3 (K: the model's KV heads after
-    replication for tensor parallelism). With data parallelism P is every rank's pages.
+    replication for tensor parallelism); MLA's latent layout [L, P, S, 1, R + H_rope]
+    (ModelArchConfig.kv_cache_rows). With data parallelism P is every rank's pages.
     L is the layout's ``slots`` per block (default: one per layer)."""
-    return (slots or c.num_hidden_layers, num_blocks, block_size, 2 * c.num_key_value_heads, c.head_dim)
+    return (slots or c.num_hidden_layers, num_blocks, block_size, *c.kv_cache_rows)
 
 
 def bytes_per_block(c: ModelArchConfig, block_size: int, dtype, slots: int | None = None) -> int:
-    """One block of one rank, all its devices together."""
+    """One block of one rank, all its devices together (a latent cache: on each device,
+    every device holding all of it)."""
     return int(np.prod(kv_cache_shape(c, 1, block_size, slots))) * jnp.dtype(dtype).itemsize
+
+
+def devices_per_block(c: ModelArchConfig, tensor_parallel_size: int) -> int:
+    """How many devices a block's bytes are split over: the tp devices (KV heads), or 1
+    for MLA's latent cache, which every device of a rank holds whole."""
+    return 1 if c.latent_kv else tensor_parallel_size
 
 
 def determine_num_blocks(
@@ -71,7 +79,7 @@ def determine_num_blocks(
     per_block = bytes_per_block(c, block_size, dtype, layout.slots_per_block)
     if draft is not None:
         per_block += bytes_per_block(draft, block_size, dtype)
-    per_device_block = per_block / tensor_parallel_size
+    per_device_block = per_block / devices_per_block(c, tensor_parallel_size)
     if num_gpu_blocks_override is not None:
         num_blocks = num_gpu_blocks_override
     else:
@@ -112,10 +120,10 @@ def determine_num_blocks(
     return num_blocks
 
 
-def kv_cache_sharding(mesh) -> NamedSharding:
+def kv_cache_sharding(mesh, c: ModelArchConfig | None = None) -> NamedSharding:
     """Pages (axis 1) split over 'data' (each rank its own), KV heads (axis 3) over
-    'model', as attention expects."""
-    return NamedSharding(mesh, KV_CACHE_PARTITION)
+    'model', as attention expects; a latent cache (MLA, ``c.latent_kv``) whole on every 'model' device."""
+    return NamedSharding(mesh, kv_cache_partition(c is not None and c.latent_kv))
 
 
 def allocate_kv_cache(c: ModelArchConfig, num_blocks: int, block_size: int, dtype, mesh,
@@ -124,7 +132,7 @@ def allocate_kv_cache(c: ModelArchConfig, num_blocks: int, block_size: int, dtyp
     default one per layer); rank r's block b is global page r * num_blocks + b, i.e. its
     local page b."""
     shape = kv_cache_shape(c, num_blocks * mesh.shape["data"], block_size, slots)
-    return _zeros(shape, jnp.dtype(dtype), kv_cache_sharding(mesh))()
+    return _zeros(shape, jnp.dtype(dtype), kv_cache_sharding(mesh, c))()
 
 
 @functools.lru_cache(maxsize=16)

@@ -158,7 +158,8 @@ class ModelRunner:
                                            rows_per_req=self.rows_per_req, max_logprobs=self.max_logprobs,
                                            batch_invariant=self.config.model_config.batch_invariant,
                                            lora_slots=(self.lora.num_slots, self.lora.rank) if self.lora else None,
-                                           pooling_type=self.pooler.pooling_type if self.pooler else None)
+                                           pooling_type=self.pooler.pooling_type if self.pooler else None,
+                                           arch=self.arch)
         if self.draft is not None:
             self._jitted[DraftKey] = self.draft.jitted
         # Device constants standing in for the sampler's wide inputs when a step does not

@@ -61,7 +61,7 @@ def traced_products(mesh: Mesh | None, batch_invariant: bool) -> Callable:
 def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, rows_per_req: int,
                         max_logprobs: int, batch_invariant: bool = False,
                         lora_slots: tuple[int, int] | None = None,
-                        pooling_type: str | None = None) -> dict[type, Callable]:
+                        pooling_type: str | None = None, arch=None) -> dict[type, Callable]:
     """The step's jitted functions by program key type (their static arguments:
     ProgramInputs.static_args). ``attention``: the per-layer attention
     (pallas_kernels.backend.build_attention); ``rows_per_req``: S = k + 1 logits rows per
@@ -70,7 +70,8 @@ def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, r
     ``lora_slots``: (max_loras, max_lora_rank) with LoRA on (the model step then takes the
     adapters' buffers, jaxserve/lora/manager.py, and its inputs a slot per token);
     ``pooling_type``: the pooling runner's LAST / CLS / MEAN (its PoolKey program), None
-    for a generative model."""
+    for a generative model; ``arch``: the model's ModelArchConfig (its KV cache's
+    sharding: a latent cache is whole on every 'model' device)."""
     s = rows_per_req
     rows_sharding, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     products = traced_products(mesh, batch_invariant)
@@ -173,7 +174,7 @@ def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, r
         products, (model_step, sample_step, verify_step, prompt_logprobs_step, pool_step))
     programs = {
         ModelStepKey: jax.jit(model_step, donate_argnums=(1,), static_argnames=("layout",),
-                              out_shardings=(None, None, kv_cache_sharding(mesh))),
+                              out_shardings=(None, None, kv_cache_sharding(mesh, arch))),
         SampleKey: jax.jit(sample_step, static_argnames=("layout", "num_reqs", "use_penalties"),
                            out_shardings=replicated),
         PromptLogprobsKey: jax.jit(prompt_logprobs_step, static_argnames=("layout",), out_shardings=replicated),

@@ -97,7 +97,7 @@ class DraftModelProposer:
         # Traced with the engine's products: in batch-invariant mode a draft (and so a
         # seeded request's accepts and draws) must not depend on the other rows either.
         propose = traced_products(r.mesh, r.config.model_config.batch_invariant)(propose)
-        self.jitted = jax.jit(propose, donate_argnums=(1,), out_shardings=(r._replicated, kv_cache_sharding(r.mesh)))
+        self.jitted = jax.jit(propose, donate_argnums=(1,), out_shardings=(r._replicated, kv_cache_sharding(r.mesh, self.arch)))
 
     # ------------------------------------------------------------------ inputs
     def inputs(self, t: int):

@@ -66,6 +66,27 @@ def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv
         cfg = transformers.GptOssConfig(**gpt)
         cfg._attn_implementation = "eager"
         model = transformers.GptOssForCausalLM(cfg)
+    elif arch in ("deepseek_v2", "deepseek_v3"):
+        # MLA (latent 32, rope 8, nope 16, v 16: v unlike nope, as V3's 128 / 128 is not
+        # forced), the first layer dense, 8 routed experts (top 2) plus one shared.
+        # V2-Lite's shape by default (q in one matrix, greedy softmax routing); V3's: q
+        # low-rank, sigmoid scores in 4 groups (best 2), the correction bias, YaRN.
+        ds = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8,
+                  num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                  num_key_value_heads=heads)
+        if arch == "deepseek_v3":
+            ds |= dict(q_lora_rank=24, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0,
+                                        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                        "original_max_position_embeddings": 64})
+        else:
+            ds |= dict(q_lora_rank=None, topk_method="greedy")
+        ds.update({k: v for k, v in config_kw.items()})
+        ds.update({k: v for k, v in common.items() if k not in ds})
+        cls = "DeepseekV3" if arch == "deepseek_v3" else "DeepseekV2"
+        cfg = getattr(transformers, cls + "Config")(**ds)
+        cfg._attn_implementation = "eager"
+        model = getattr(transformers, cls + "ForCausalLM")(cfg)
     elif arch in MOE_ARCHS:
         # 8 experts, top 2 (MoE parity needs >= 8 experts); small expert mlp dims.
         moe = dict(num_experts_per_tok=2, **{k: v for k, v in config_kw.items() if k in _MOE_KEYS})
@@ -95,6 +116,9 @@ def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv
                 p.mul_(4.0)
             elif arch.startswith("gemma") and name.endswith("norm.weight"):  # (1 + w) norms start at w = 0
                 p.normal_(0, 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: zeros at init would hide its use
+                b.normal_(0, 0.3)
     model = model.float().eval()
     model.save_pretrained(path)
     if tokenizer == "bytes":
