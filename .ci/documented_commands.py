@@ -38,6 +38,7 @@ COMMANDS: list[tuple[str, str, int, str]] = [
     ("some tests of a file", ".venv/bin/pytest -q tests/core/test_scheduler.py -k preempt", 300, r"\d+ passed"),
     ("capacity_plan", f"{PY} benchmarks/capacity_plan.py", 120, r"\S"),
     ("capacity_plan gpt-oss", f"{PY} benchmarks/capacity_plan.py --model gpt-oss-120b", 120, r"h200 x 8 chips"),
+    ("capacity_plan deepseek-v3", f"{PY} benchmarks/capacity_plan.py --model deepseek-v3", 120, r"latent"),
     ("bench_throughput", f"{PY} benchmarks/bench_throughput.py --num-prompts 4 --input-len 16 --output-len 4 "
      f"--also-dtype float32 --plot {TMP}/throughput.png", 600, r"(?s)Throughput: .* output tokens/s.*chart: "),
     ("bench_serving", f"{PY} benchmarks/bench_serving.py --launch --max-concurrency 1 2 --num-prompts 2 4 "

@@ -10,11 +10,13 @@ context: HBM time (weights + KV read once per step), tensor-parallel all-reduce 
 
     python benchmarks/capacity_plan.py                       # Llama-3-70B on v5e-32 and v5p-64
     python benchmarks/capacity_plan.py --model gpt-oss-120b  # v5e-16, v5p-16, v6e-8, an 8x H200 node
+    python benchmarks/capacity_plan.py --model deepseek-v3   # v5e-256, v5p-64, v6e-64, an 8x H200 node
     python benchmarks/capacity_plan.py --config config.json --chip v5e --chips 32
 
 Sliding-window layers are counted with whole-context KV (an upper bound: GPT-OSS's
 window layers hold 128 tokens each), MoE decode reads the experts its batch routes to
-(``experts_read``), prefill FLOPs count each token's top-k experts.
+(``experts_read``), prefill FLOPs count each token's top-k experts. An MLA model's
+latent KV rows are whole on every chip of a rank (the "KV heads" column says "latent").
 """
 from __future__ import annotations
 
@@ -49,7 +51,26 @@ GPT_OSS_120B = {
                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
     "tie_word_embeddings": False, "attention_bias": True,
 }
-MODELS = {"llama-3-70b": LLAMA3_70B, "gpt-oss-120b": GPT_OSS_120B}
+# DeepSeek-V3's config.json (671B; bf16, as served on TPU: its fp8 block-scaled checkpoint
+# is not read yet). MLA: one latent of 512 + a rope key of 64 per token per layer.
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+    "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
+    "first_k_dense_replace": 3, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 163840, "tie_word_embeddings": False, "hidden_act": "silu",
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                        "original_max_position_embeddings": 4096},
+}
+MODELS = {"llama-3-70b": LLAMA3_70B, "gpt-oss-120b": GPT_OSS_120B, "deepseek-v3": DEEPSEEK_V3}
+# The slices each model is planned on when --chip is not given.
+TARGETS = {
+    "llama-3-70b": [("v5e", 32), ("v5p", 32)],  # v5p-64 = 32 chips
+    "gpt-oss-120b": [("v5e", 16), ("v5p", 8), ("v6e", 8), ("h200", 8)],
+    "deepseek-v3": [("v5e", 256), ("v5p", 32), ("v6e", 64), ("h200", 8)],
+}
 # Per chip: HBM GiB, HBM GB/s, bf16 TFLOP/s (dense), ICI GB/s (all links together; the
 # H200's NVLink), all-reduce latency s. An "8x H200 node" is --chip h200 --chips 8.
 CHIPS = {
@@ -102,11 +123,12 @@ def plan(cfg: dict, chip: str, chips: int, *, batch: int, context: int, prefill:
             continue
         dp = chips // tp
         arch = arch_for_tensor_parallel(base, tp)
+        heads = "latent" if arch.latent_kv else arch.num_key_value_heads
         wb = weight_bytes_per_chip(arch, tp, itemsize)
         limit = int(spec["hbm_gib"] * 2**30)
         budget = int(limit * util) - wb
         if budget <= 0:
-            print(f"{dp:>6} x {tp:<5} {arch.num_key_value_heads:>9} {wb / 2**30:>10.1f} GiB  does not fit")
+            print(f"{dp:>6} x {tp:<5} {heads:>9} {wb / 2**30:>10.1f} GiB  does not fit")
             continue
         blocks = determine_num_blocks(arch, block_size=block_size, dtype=dtype, max_model_len=min(context, 8192),
                                       gpu_memory_utilization=util, kv_cache_memory=None, num_gpu_blocks_override=None,
@@ -125,7 +147,7 @@ def plan(cfg: dict, chip: str, chips: int, *, batch: int, context: int, prefill:
                                        if arch.num_experts else 1.0)
         flops = 2 * (active * tp / itemsize) * prefill  # ~2 FLOPs per active weight per token
         prefill_s = flops / (tp * spec["tflops"] * 1e12)
-        print(f"{dp:>6} x {tp:<5} {arch.num_key_value_heads:>9} {wb / 2**30:>10.1f} GiB {budget / 2**30:>11.1f} GiB "
+        print(f"{dp:>6} x {tp:<5} {heads:>9} {wb / 2**30:>10.1f} GiB {budget / 2**30:>11.1f} GiB "
               f"{tokens:>15,} {tokens * dp:>14,} {b:>6} {1000 * hbm_s:>9.1f} ms {1000 * ar_s:>8.1f} ms "
               f"{1000 * prefill_s:>10.1f} ms")
 
@@ -145,9 +167,7 @@ def main() -> None:
 
     logging.getLogger("jaxserve").setLevel(logging.WARNING)
     cfg = json.load(open(args.config)) if args.config else MODELS[args.model]
-    targets = [(args.chip, args.chips)] if args.chip else [("v5e", 32), ("v5p", 32)]  # v5p-64 = 32 chips
-    if not args.chip and args.model == "gpt-oss-120b":
-        targets = [("v5e", 16), ("v5p", 8), ("v6e", 8), ("h200", 8)]
+    targets = [(args.chip, args.chips)] if args.chip else TARGETS[args.model]
     for chip, n in targets:
         plan(cfg, chip, n, batch=args.batch, context=args.context, prefill=args.prefill,
              util=args.gpu_memory_utilization)

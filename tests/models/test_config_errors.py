@@ -16,7 +16,7 @@ def cfg(**kw):
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(architectures=["DeepseekV3ForCausalLM"]), "Model architecture 'DeepseekV3ForCausalLM' is not supported"),
+    (dict(architectures=["DeepseekV32ForCausalLM"]), "Model architecture 'DeepseekV32ForCausalLM' is not supported"),
     (dict(architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.3), "partial_rotary_factor"),
     (dict(architectures=["Phi3ForCausalLM"], rope_scaling={"type": "su", "short_factor": [1.0] * 4,
                                                            "long_factor": [1.0] * 4}), "longrope factors have 4"),
