@@ -52,7 +52,7 @@ GPT_OSS_120B = {
     "tie_word_embeddings": False, "attention_bias": True,
 }
 # DeepSeek-V3's config.json (671B; bf16, as served on TPU: its fp8 block-scaled checkpoint
-# is not read yet). MLA: one latent of 512 + a rope key of 64 per token per layer.
+# is decoded to floats on CPU only). MLA: one latent of 512 + a rope key of 64 per token per layer.
 DEEPSEEK_V3 = {
     "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
     "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,

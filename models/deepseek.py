@@ -66,9 +66,6 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{name}: hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
         if cfg.get("attention_bias"):
             raise ValueError(f"{name}: attention_bias=true is not supported")
-        if (cfg.get("quantization_config") or {}).get("quant_method") == "fp8":
-            raise ValueError(f"{name}: fp8 block-scaled checkpoints (quant_method fp8, weight_block_size) are not "
-                             "supported yet; serve a bf16 copy (DeepSeek's fp8_cast_bf16.py writes one)")
         if cfg.get("moe_layer_freq", 1) != 1:
             raise ValueError(f"{name}: moe_layer_freq={cfg['moe_layer_freq']} is not supported (1: every layer "
                              "from first_k_dense_replace on)")

@@ -18,6 +18,10 @@ weight updates see a plain checkpoint.
 - **compressed-tensors pack-quantized** (W4A16, symmetric): ``X.weight_packed`` int32
   [out, in / 8] (int4 along in, offset by 8, in order), ``X.weight_scale`` [out, in / g]
   (or [out, 1]: channel), ``X.weight_shape`` -> ``X.weight``.
+- **fp8 block-scaled** (DeepSeek-V3's, HF's FineGrainedFP8: ``quant_method: fp8`` with
+  ``weight_block_size`` [b0, b1]): ``X.weight`` float8_e4m3fn [out, in] and
+  ``X.weight_scale_inv`` float32 [ceil(out / b0), ceil(in / b1)] -> ``X.weight`` =
+  value * the scale of its block.
 
 They are decoded on the host (float32; MXFP4 in bfloat16, exact), so on CPU the model then
 runs at the float model's speed with the quantized model's values
@@ -43,6 +47,14 @@ def packed_method(qc: dict | None) -> str | None:
         return None
     method = qc.get("quant_method")
     if method == "mxfp4":
+        return method
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(int(b) > 0 for b in block)):
+            raise ValueError(f"quantization_config: fp8 with weight_block_size={block!r} is not supported "
+                             "(block-scaled [b0, b1], as DeepSeek-V3 ships)")
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"quantization_config: fp8 fmt={qc.get('fmt')!r} is not supported (e4m3)")
         return method
     if method in ("awq", "gptq"):
         bits = qc.get("bits", qc.get("w_bit"))
@@ -95,6 +107,30 @@ def decode_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     exps = scales.astype(np.int32) - 127
     values = np.stack([_FP4_VALUES[blocks & 0x0F], _FP4_VALUES[blocks >> 4]], axis=-1)  # low nibble first
     return np.ldexp(values.reshape(*blocks.shape[:-1], MXFP4_BLOCK), exps[..., None]).reshape(blocks.shape[0], -1)
+
+
+def decode_fp8_block(weight, scale_inv, block) -> np.ndarray:
+    """fp8 [out, in] and its per-block scales [ceil(out / b0), ceil(in / b1)] -> float32 [out, in]."""
+    out, inp = weight.shape
+    scales = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), block[0], 0), block[1], 1)[:out, :inp]
+    return weight.astype(np.float32) * scales
+
+
+def pack_fp8_block(w_out_in: np.ndarray, block):
+    """An HF Linear weight [out, in] -> ({weight: float8_e4m3fn, weight_scale_inv: float32
+    per block}, the float32 [out, in] they decode to): each block scaled so its largest
+    magnitude is e4m3's 448, rounded to nearest."""
+    w = np.asarray(w_out_in, np.float32)
+    out, inp = w.shape
+    b0, b1 = block
+    rows, cols = -(-out // b0), -(-inp // b1)
+    padded = np.zeros((rows * b0, cols * b1), np.float32)
+    padded[:out, :inp] = w
+    amax = np.abs(padded.reshape(rows, b0, cols, b1)).max(axis=(1, 3))
+    scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
+    q = (w / np.repeat(np.repeat(scale, b0, 0), b1, 1)[:out, :inp]).astype(ml_dtypes.float8_e4m3fn)
+    parts = {"weight": np.ascontiguousarray(q), "weight_scale_inv": scale}
+    return parts, decode_fp8_block(q, scale, block)
 
 
 def decode_awq(qweight, qzeros, scales, group_size: int) -> np.ndarray:
@@ -215,7 +251,8 @@ def pack_w4a16(w_out_in: np.ndarray, group_size: int):
 
 
 def int4_quantization_config(fmt: str, group_size: int) -> dict:
-    """config.json's quantization_config of a folder ``write_int4_folder`` writes."""
+    """config.json's quantization_config of a folder ``write_int4_folder`` writes
+    (``group_size``: fp8-block's block edge)."""
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
     if fmt == "gptq":
@@ -225,14 +262,19 @@ def int4_quantization_config(fmt: str, group_size: int) -> dict:
         return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                     "num_bits": 4, "type": "int", "strategy": "group", "group_size": group_size, "symmetric": True}}}}
-    raise ValueError(f"int4 format {fmt!r}: expected awq, gptq or w4a16")
+    if fmt == "fp8-block":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [group_size, group_size]}
+    raise ValueError(f"packed format {fmt!r}: expected awq, gptq, w4a16 or fp8-block")
 
 
 def write_int4_folder(src, dst, fmt: str, group_size: int = 128, float_dst=None) -> None:
     """A float32 single-file safetensors folder ``src`` with every decoder projection
     (``model.layers.N.{self_attn,mlp}.*_proj.weight``) rounded to int4 in ``fmt`` (awq,
-    gptq with act-order, w4a16) by the reference packers, written to ``dst``; with
-    ``float_dst``, the same rounded model as float32 too (a reference for HF)."""
+    gptq with act-order, w4a16) by the reference packers, or to fp8 in blocks of
+    ``group_size`` square ("fp8-block", the experts' and MLA's projections too, as
+    DeepSeek-V3 ships), written to ``dst``; with ``float_dst``, the same rounded model as
+    float32 too (a reference for HF)."""
     import json
     import re
     import shutil
@@ -242,11 +284,14 @@ def write_int4_folder(src, dst, fmt: str, group_size: int = 128, float_dst=None)
 
     src, dst = Path(src), Path(dst)
     pack = {"awq": lambda w: pack_awq(w, group_size), "gptq": lambda w: pack_gptq(w, group_size, act_order=True),
-            "w4a16": lambda w: pack_w4a16(w, group_size)}[fmt]
+            "w4a16": lambda w: pack_w4a16(w, group_size),
+            "fp8-block": lambda w: pack_fp8_block(w, (group_size, group_size))}[fmt]
+    names = (r"model\.layers\.\d+\.(self_attn|mlp)\.([\w.]+\.)?\w+_proj(_with_mqa)?\.weight" if fmt == "fp8-block"
+             else r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
     tensors = load_file(str(src / "model.safetensors"))
     floats, packed = dict(tensors), dict(tensors)
     for name, w in tensors.items():
-        if re.fullmatch(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight", name):
+        if re.fullmatch(names, name):
             parts, values = pack(w)
             floats[name] = np.ascontiguousarray(values.astype(w.dtype))  # safetensors writes buffers as they lie
             del packed[name]

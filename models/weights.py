@@ -79,7 +79,7 @@ class SafetensorsCheckpoint:
     """The tensors of a folder's safetensors files by name; ``read`` returns one index
     range of a tensor. Only the headers are read up front.
 
-    Packed formats (MXFP4, AWQ, GPTQ, W4A16: models/packed_formats.py) are seen as the float
+    Packed formats (MXFP4, AWQ, GPTQ, W4A16, fp8 blocks: models/packed_formats.py) are seen as the float
     tensors HF's dequantized model holds: their parts leave ``tensors`` and the tensor
     they decode to takes their place, decoded when it is read."""
 
@@ -127,6 +127,12 @@ class SafetensorsCheckpoint:
                 shape = (cols * 8, rows) if method == "awq" else (cols, rows * 8)  # [out, in]
                 # float32: (q - z) * s is exact there, whatever the scales' dtype.
                 take(method, base + ".weight", parts, "F32", shape)
+        elif method == "fp8":  # block-scaled (DeepSeek-V3): each X.weight with its X.weight_scale_inv
+            for name in [n for n in self.tensors if n.endswith(".weight_scale_inv")]:
+                base = name[:-len("_scale_inv")]
+                if self.tensors.get(base) is None or self.tensors[base].dtype != "F8_E4M3":
+                    raise ValueError(f"{self.model_dir}: fp8 scale {name} comes without an F8_E4M3 {base}")
+                take(method, base, {"main": base, "scales": name}, "F32", self.tensors[base].shape)
         elif method == "compressed-tensors/pack-quantized":
             for name in [n for n in self.tensors if n.endswith(".weight_packed")]:
                 base = name[:-len(".weight_packed")]
@@ -135,7 +141,7 @@ class SafetensorsCheckpoint:
                     parts["shape"] = base + ".weight_shape"
                 rows, cols = self.tensors[name].shape
                 take(method, base + ".weight", parts, "F32", (rows, cols * 8))
-        self.packed_options = dict(group_size=qc.get("group_size", 128),
+        self.packed_options = dict(group_size=qc.get("group_size", 128), block=qc.get("weight_block_size"),
                                    zero_offset=0 if qc.get("checkpoint_format") == "gptq_v2" else 1)
 
     def dtype(self, name: str) -> np.dtype:
@@ -169,6 +175,8 @@ class SafetensorsCheckpoint:
                     "group_size"]
                 w = packed_formats.decode_gptq(whole("main"), whole("zeros"), whole("scales"), g_idx,
                                                self.packed_options["zero_offset"])
+            elif fmt == "fp8":
+                w = packed_formats.decode_fp8_block(whole("main"), whole("scales"), self.packed_options["block"])
             else:
                 w = packed_formats.decode_pack_quantized(whole("main"), whole("scales"),
                                                          shape=whole("shape") if "shape" in parts else None)

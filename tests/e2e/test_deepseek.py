@@ -123,8 +123,26 @@ def test_deepseek_without_dense_layers_and_unsupported_variants(tiny_models):
 
     src = _model(tiny_models)
     cfg = json.loads((src / "config.json").read_text())
-    for change, words in [({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
-                           "fp8 block-scaled"), ({"moe_layer_freq": 2}, "moe_layer_freq"),
+    for change, words in [({"moe_layer_freq": 2}, "moe_layer_freq"),
                           ({"first_k_dense_replace": 9}, "first_k_dense_replace")]:
         with pytest.raises(ValueError, match=words):
             ModelArchConfig.from_hf_dict({**cfg, **change})
+
+
+def test_deepseek_fp8_block_scaled_checkpoint(tiny_models, tmp_path):
+    """DeepSeek-V3's checkpoint format (every projection, experts and MLA's included, as
+    float8_e4m3fn in 16 x 16 blocks with a float32 scale each: the test's packer, in
+    models/packed_formats.py) serves the tokens and logprobs HF gives for the same
+    rounded weights as floats."""
+    from models.packed_formats import write_int4_folder
+    from safetensors import safe_open
+
+    src = _model(tiny_models)
+    write_int4_folder(src, tmp_path / "fp8", "fp8-block", group_size=16, float_dst=tmp_path / "float")
+    with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "np") as f:
+        names = set(f.keys())
+    assert "model.layers.1.mlp.experts.3.gate_proj.weight_scale_inv" in names
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv" in names
+    llm = make_llm(tmp_path / "fp8")
+    check_greedy(tmp_path / "float", llm, prompts(14, [6, 33]))
+    check_prompt_logprobs(tmp_path / "float", llm, prompts(15, [40])[0])

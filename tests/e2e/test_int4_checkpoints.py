@@ -74,3 +74,25 @@ def test_unsupported_quantized_formats_fail_at_start(tiny_models, tmp_path, qc, 
     (path / "config.json").write_text(json.dumps(cfg | {"quantization_config": qc}))
     with pytest.raises(ValueError, match=message):
         make_llm(path)
+
+
+def test_fp8_block_layout_follows_the_format():
+    """fp8 block-scaled (HF FineGrainedFP8 / DeepSeek-V3): scale_inv [ceil(out / b0),
+    ceil(in / b1)] multiplies each block, written out independently of the decoder; the
+    rounding stays within e4m3's relative step."""
+    import ml_dtypes
+
+    from models.packed_formats import decode_fp8_block, pack_fp8_block
+
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((40, 72)).astype(np.float32) * np.linspace(0.1, 3.0, 72)
+    parts, values = pack_fp8_block(w, (16, 32))
+    assert parts["weight"].dtype == ml_dtypes.float8_e4m3fn and parts["weight_scale_inv"].shape == (3, 3)
+    q, s = parts["weight"].astype(np.float32), parts["weight_scale_inv"]
+    want = np.empty_like(w)
+    for i in range(40):
+        for j in range(72):
+            want[i, j] = q[i, j] * s[i // 16, j // 32]
+    np.testing.assert_array_equal(decode_fp8_block(parts["weight"], s, (16, 32)), want)
+    np.testing.assert_array_equal(values, want)
+    assert np.all(np.abs(values - w) <= 2 ** -3 * np.abs(w) + 1e-6 * np.abs(w).max())
