@@ -32,8 +32,7 @@ import jax.numpy as jnp
 
 from models.base import MODEL, Weight
 from models.config import ModelArchConfig, hf_common_fields
-from models.llama import COLUMNS, LAYER, ROWS, LlamaForCausalLM
-from models.lora import LORA_A, LORA_B, LORA_MASK, LORA_ON
+from models.llama import COLUMNS, LAYER, ROWS, LlamaForCausalLM, lora_inputs
 from models.moe import GroupedRouting, moe_arch_fields, moe_block
 from models.quantization import linear, param_map, scan_safe
 from models.rope import apply_rope
@@ -233,12 +232,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         h = self.embed(input_ids)
         wm = param_map(type(self), c)
         names = [n for n, w in wm.items() if w.per_layer]
-        lora_layers, lora_step = {}, {}
-        if lora is not None:
-            buffers, mask, on = lora
-            for n, (a, b) in buffers.items():
-                lora_layers[n + LORA_A], lora_layers[n + LORA_B] = a, b
-            lora_step = {LORA_MASK: mask.astype(h.dtype), LORA_ON: on}
+        lora_layers, lora_step = lora_inputs(lora, h.dtype)
         every = {n: getattr(self.layers, n)[...] for n in names if wm[n].dims[0] == _L} | lora_layers
         for start, stop, kind in ((0, c.dense_layers, _LD), (c.dense_layers, c.num_hidden_layers, _LS)):
             if start == stop:

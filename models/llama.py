@@ -54,6 +54,19 @@ def rms_norm(x, w, eps):
     return rowwise(norm, x)
 
 
+def lora_inputs(lora, dtype) -> tuple[dict, dict]:
+    """The step's LoRA adapters (``__call__``'s ``lora``) as (per-layer buffers by name,
+    stacked [L, ...]: {projection + LORA_A / LORA_B}, the step-wide entries every layer
+    sees: the token mask in ``dtype`` and the on flag); ({}, {}) without."""
+    if lora is None:
+        return {}, {}
+    buffers, mask, on = lora
+    layers = {}
+    for n, (a, b) in buffers.items():
+        layers[n + LORA_A], layers[n + LORA_B] = a, b
+    return layers, {LORA_MASK: mask.astype(dtype), LORA_ON: on}
+
+
 class DecoderLayers(nnx.Module):
     """All decoder layers' weights, stacked [L, ...]. With ``bf16_bits``, a bfloat16
     weight is stored as its uint16 bit pattern (``scan_safe``: the layer scan on CPU)."""
@@ -237,12 +250,7 @@ class LlamaForCausalLM(CausalLM):
         c = self.config
         h = self.embed(input_ids)
         names = [n for n, w in param_map(type(self), c).items() if w.per_layer]
-        lora_layers, lora_step = {}, {}
-        if lora is not None:
-            buffers, mask, on = lora
-            for n, (a, b) in buffers.items():
-                lora_layers[n + LORA_A], lora_layers[n + LORA_B] = a, b
-            lora_step = {LORA_MASK: mask.astype(h.dtype), LORA_ON: on}
+        lora_layers, lora_step = lora_inputs(lora, h.dtype)
 
         def layer_fn(h, kv_cache, lw, layer):
             return self.decoder_layer(h, kv_cache, lw | lora_step, layer, positions, md, attention_fn)

@@ -6,9 +6,7 @@ first layers; the engine modes (chunked prefill, prefix-cache hits, preemption);
 attention backend; tensor and expert parallel; the research loop's forwards."""
 import numpy as np
 import pytest
-from jaxserve import SamplingParams
-from hf_reference import HFReference, assert_greedy_match
-from test_gpt_oss import _hf_logprobs
+from test_gpt_oss import check_engine_modes, check_parallel_matches_one_device, check_trainer_logprobs
 from test_parity_hf import make_llm, prompts
 from test_phi3 import check_greedy, check_prompt_logprobs
 
@@ -42,21 +40,9 @@ def test_deepseek_matches_hf(tiny_models, arch, kw):
 
 
 def test_deepseek_trainer_logprobs_match_hf(tiny_models):
-    """The research loop's two forwards (the paged kernel over one sequence, the dense
-    differentiable one over the latent rows) give HF's logprobs, and the gradient
-    reaches the latent projections."""
-    import jax
-    import jax.numpy as jnp
-
-    path = _model(tiny_models)
-    llm = make_llm(path)
-    ids = prompts(6, [40])[0]
-    want = _hf_logprobs(path, ids)
-    np.testing.assert_allclose(llm.sequence_logprobs(ids)[0], want, atol=1e-4)
-    fn = llm.get_logprobs_fn()
-    np.testing.assert_allclose(np.asarray(fn(llm.get_params(), jnp.asarray(ids, jnp.int32))), want, atol=1e-4)
-    grads = jax.grad(lambda p: fn(p, jnp.asarray(ids, jnp.int32)).sum())(llm.get_params())
-    assert float(jnp.abs(grads["layers"]["kv_b_proj"][...]).sum()) > 0
+    """The research loop's two forwards (the dense differentiable one over the latent
+    rows) give HF's logprobs, and the gradient reaches the latent projections."""
+    check_trainer_logprobs(_model(tiny_models), "kv_b_proj")
 
 
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
@@ -69,44 +55,17 @@ def test_deepseek_every_attention_backend(tiny_models, backend):
 
 
 def test_deepseek_chunked_prefill_prefix_cache_and_preemption(tiny_models):
-    path = _model(tiny_models)
-    shared = prompts(8, [40])[0]
-    ps = [shared + q for q in prompts(9, [9, 21])] + prompts(10, [35, 6])
-    llm = make_llm(path, max_num_batched_tokens=16, long_prefill_token_threshold=8, num_gpu_blocks_override=10)
-    hf = HFReference(path)
-    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
-    for p, o in zip(ps, outs):
-        ref, margins = hf.greedy(p, 20)
-        assert_greedy_match(o.outputs[0].token_ids, ref, margins, f"len {len(p)}")
-    assert llm.llm_engine.scheduler.num_preemptions > 0
-    # One after the other: the second request's shared prefix is read from the latent rows.
-    llm = make_llm(path, max_num_batched_tokens=16, long_prefill_token_threshold=8)
-    llm.generate([{"prompt_token_ids": ps[0]}], sp, use_tqdm=False)
-    again = llm.generate([{"prompt_token_ids": ps[1]}], sp, use_tqdm=False)[0]
-    assert again.num_cached_tokens >= 32 and again.outputs[0].token_ids == outs[1].outputs[0].token_ids
+    check_engine_modes(_model(tiny_models), num_blocks=10)
 
 
 @pytest.mark.devices(4)
 def test_deepseek_tensor_and_expert_parallel_match_one_device(tiny_models):
     """tp 2 (heads split, the latent cache whole on each device) and expert parallel 2
     give the one-device tokens and logprobs."""
-    path = _model(tiny_models)
-    ps = [{"prompt_token_ids": p} for p in prompts(11, [5, 23, 40])]
-    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
-    res = []
-    for tp, ep in [(1, False), (2, False), (2, True)]:
-        llm = make_llm(path, tensor_parallel_size=tp, enable_expert_parallel=ep, max_model_len=128)
-        if tp > 1:  # every device holds the whole latent cache
-            shard = llm.llm_engine.model_runner.kv_cache.addressable_shards[0].data
-            assert shard.shape[-2:] == (1, 40)
-        out = llm.generate(ps, sp, use_tqdm=False)
-        res.append([(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
-                                                                              o.outputs[0].token_ids)]) for o in out])
-    for other in res[1:]:
-        for (toks, lps), (toks1, lps1) in zip(other, res[0]):
-            assert toks == toks1
-            np.testing.assert_allclose(lps, lps1, atol=1e-4)
+    def whole_latent_cache(runner):
+        assert runner.kv_cache.addressable_shards[0].data.shape[-2:] == (1, 40)
+
+    check_parallel_matches_one_device(_model(tiny_models), whole_latent_cache)
 
 
 def test_deepseek_without_dense_layers_and_unsupported_variants(tiny_models):

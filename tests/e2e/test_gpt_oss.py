@@ -28,13 +28,12 @@ def _hf_logprobs(path, ids):
     return np.array([ref[i, ids[i + 1]] for i in range(len(ids) - 1)])
 
 
-def test_gpt_oss_trainer_logprobs_match_hf(tiny_models):
+def check_trainer_logprobs(path, param: str):
     """The research loop's two forwards (the paged kernel over one sequence, and the
-    dense differentiable one) carry the sinks too."""
+    dense differentiable one) give HF's logprobs, and the gradient reaches ``param``."""
     import jax
     import jax.numpy as jnp
 
-    path = tiny_models("gpt_oss", kv_heads=2)
     llm = make_llm(path)
     ids = prompts(6, [40])[0]
     want = _hf_logprobs(path, ids)
@@ -42,7 +41,12 @@ def test_gpt_oss_trainer_logprobs_match_hf(tiny_models):
     fn = llm.get_logprobs_fn()
     np.testing.assert_allclose(np.asarray(fn(llm.get_params(), jnp.asarray(ids, jnp.int32))), want, atol=1e-4)
     grads = jax.grad(lambda p: fn(p, jnp.asarray(ids, jnp.int32)).sum())(llm.get_params())
-    assert float(jnp.abs(grads["layers"]["sinks"][...]).sum()) > 0  # the sinks take part
+    assert float(jnp.abs(grads["layers"][param][...]).sum()) > 0
+
+
+def test_gpt_oss_trainer_logprobs_match_hf(tiny_models):
+    """The two forwards carry the sinks too."""
+    check_trainer_logprobs(tiny_models("gpt_oss", kv_heads=2), "sinks")
 
 
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
@@ -54,11 +58,12 @@ def test_gpt_oss_every_attention_backend(tiny_models, backend):
     check_greedy(path, llm, prompts(2, [9, 30]), max_tokens=8)
 
 
-def test_gpt_oss_chunked_prefill_prefix_cache_and_preemption(tiny_models):
-    path = tiny_models("gpt_oss", kv_heads=2)
+def check_engine_modes(path, num_blocks: int):
+    """Chunked prefill (16 tokens a step) with preemption (``num_blocks`` pages) gives HF's
+    tokens; a second request's shared prefix (40 tokens) is a cache hit with the same tokens."""
     shared = prompts(8, [40])[0]
     ps = [shared + q for q in prompts(9, [9, 21])] + prompts(10, [35, 6])
-    llm = make_llm(path, max_num_batched_tokens=16, long_prefill_token_threshold=8, num_gpu_blocks_override=12)
+    llm = make_llm(path, max_num_batched_tokens=16, long_prefill_token_threshold=8, num_gpu_blocks_override=num_blocks)
     hf = HFReference(path)
     sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
@@ -67,23 +72,23 @@ def test_gpt_oss_chunked_prefill_prefix_cache_and_preemption(tiny_models):
         assert_greedy_match(o.outputs[0].token_ids, ref, margins, f"len {len(p)}")
     assert llm.llm_engine.scheduler.num_preemptions > 0
     # One request after the other (a cache that keeps both): the second one's shared
-    # prefix is a hit in both KV groups, and its tokens stay HF's.
+    # prefix is a hit (in every KV group), and its tokens stay HF's.
     llm = make_llm(path, max_num_batched_tokens=16, long_prefill_token_threshold=8)
     llm.generate([{"prompt_token_ids": ps[0]}], sp, use_tqdm=False)
     again = llm.generate([{"prompt_token_ids": ps[1]}], sp, use_tqdm=False)[0]
     assert again.num_cached_tokens >= 32 and again.outputs[0].token_ids == outs[1].outputs[0].token_ids
 
 
-@pytest.mark.devices(4)
-def test_gpt_oss_tensor_and_expert_parallel_match_one_device(tiny_models):
-    """tp 2 (heads, sinks and expert columns split; the interleaved gate / up read per
-    device) and expert parallel 2 give the one-device tokens and logprobs."""
-    path = tiny_models("gpt_oss", kv_heads=2)
+def check_parallel_matches_one_device(path, check_runner=None):
+    """tp 2 and tp 2 with expert parallel give the one-device tokens and logprobs;
+    ``check_runner(runner)`` looks at each parallel runner."""
     ps = [{"prompt_token_ids": p} for p in prompts(11, [5, 23, 40])]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
     res = []
     for tp, ep in [(1, False), (2, False), (2, True)]:
         llm = make_llm(path, tensor_parallel_size=tp, enable_expert_parallel=ep, max_model_len=128)
+        if tp > 1 and check_runner is not None:
+            check_runner(llm.llm_engine.model_runner)
         out = llm.generate(ps, sp, use_tqdm=False)
         res.append([(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
                                                                               o.outputs[0].token_ids)]) for o in out])
@@ -91,6 +96,17 @@ def test_gpt_oss_tensor_and_expert_parallel_match_one_device(tiny_models):
         for (toks, lps), (toks1, lps1) in zip(other, res[0]):
             assert toks == toks1
             np.testing.assert_allclose(lps, lps1, atol=1e-4)
+
+
+def test_gpt_oss_chunked_prefill_prefix_cache_and_preemption(tiny_models):
+    check_engine_modes(tiny_models("gpt_oss", kv_heads=2), num_blocks=12)
+
+
+@pytest.mark.devices(4)
+def test_gpt_oss_tensor_and_expert_parallel_match_one_device(tiny_models):
+    """tp 2 (heads, sinks and expert columns split; the interleaved gate / up read per
+    device) and expert parallel 2 give the one-device tokens and logprobs."""
+    check_parallel_matches_one_device(tiny_models("gpt_oss", kv_heads=2))
 
 
 def test_gpt_oss_mxfp4_experts_give_the_dequantized_models_tokens(tiny_models, tmp_path):

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu, gpu, kv_cache_update, reference, tpu
+from pallas_kernels import cpu, kv_cache_update, reference
 from rpa_cases import make_batch, naive_attention
+from test_sinks import KERNELS
 
 # decode-sized (the (token, page) pairs), mixed with a window (one pass over the pages),
 # and a step of >= 512 tokens (this step's tiles and the cached prefix, merged).
@@ -18,12 +19,6 @@ BATCHES = {
     "decode": dict(seqs=((1, 40), (1, 7), (1, 130), (1, 1)), pad_tokens=0, pad_seqs=3),
     "mixed": dict(seqs=((7, 40), (1, 70), (20, 20), (0, 0), (33, 99))),
     "split_prefill": dict(seqs=((300, 340), (230, 230), (1, 50))),
-}
-KERNELS = {
-    "reference": reference.ragged_paged_attention,
-    "native": cpu.ragged_paged_attention,
-    "gpu": functools.partial(gpu.ragged_paged_attention, interpret=True),
-    "tpu": functools.partial(tpu.ragged_paged_attention, interpret=True),
 }
 HEAD_DIM = 80  # kv_lora_rank 64 + the rope key's 16
 
