@@ -46,6 +46,11 @@ class LoRATarget:
     in_dim: str  # ModelArchConfig dims (models/base.py Weight.dims)
     out_dim: str
     row_parallel: bool  # split by input rows under tp (o_proj, down_proj)
+    # A block of a fused module (Phi-3's qkv_proj, gate_up_proj): the adapter's B has
+    # ``fused_rows`` rows and this projection's are [row_offset, row_offset + out) (dims
+    # expressions, models/base.py Weight); A is the module's, shared by its blocks.
+    fused_rows: str | None = None
+    row_offset: str | None = None
 
     def shapes(self, arch: ModelArchConfig, slots: int, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(a, b) buffer shapes: [L, in, slots*rank], [L, slots*rank, out]."""
@@ -69,9 +74,11 @@ def lora_targets(model_cls, arch: ModelArchConfig) -> dict[str, LoRATarget]:
     [L, E, ...] params) and the embeddings are not among them."""
     out = {}
     for name, w in model_cls.weight_map(arch).items():
-        if name in LORA_TARGETS and w.stacked == ("i",) and len(w.dims) == 3 and w.transpose:
+        if (name in LORA_TARGETS and w.stacked == ("i",) and len(w.dims) == 3 and w.transpose
+                and w.fused_stride == 1):
             module = w.hf_name.split("{i}.", 1)[1].removesuffix(".weight")
-            out[name] = LoRATarget(name, module, w.dims[1], w.dims[2], w.partition[1] == MODEL)
+            out[name] = LoRATarget(name, module, w.dims[1], w.dims[2], w.partition[1] == MODEL,
+                                   fused_rows=w.fused_rows, row_offset=w.row_offset)
     return out
 
 

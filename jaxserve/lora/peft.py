@@ -143,7 +143,9 @@ def read_adapter(lora: LoRARequest, model_cls, arch: ModelArchConfig, targets: d
         raise ValueError(f"LoRA adapter {lora.lora_name!r}: cannot read {path}: {e}") from e
     if not tensors:
         raise ValueError(f"{folder} doesn't contain tensors")
-    by_module = {t.module: t for t in targets.values()}
+    by_module: dict[str, list[LoRATarget]] = {}  # a fused module (Phi-3's qkv_proj) serves several
+    for t in targets.values():
+        by_module.setdefault(t.module, []).append(t)
     ckpt = checkpoint_arch(arch)
     layers = arch.num_hidden_layers
     found: dict[tuple[int, str], dict[str, np.ndarray]] = {}
@@ -164,11 +166,12 @@ def read_adapter(lora: LoRARequest, model_cls, arch: ModelArchConfig, targets: d
     use_rslora = bool(cfg.get("use_rslora", False))
     max_rank, modules = 0, set()
     for (layer, module), ab in sorted(found.items()):
-        t = by_module[module]
+        t = by_module[module][0]
         if set(ab) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {lora.lora_name!r}: layer {layer} {module} has lora_{''.join(ab)} only")
         a, b = ab["A"], ab["B"]
-        d_in, d_out = dim_size(ckpt, t.in_dim), dim_size(ckpt, t.out_dim)
+        d_in = dim_size(ckpt, t.in_dim)
+        d_out = dim_size(ckpt, t.fused_rows if t.fused_rows else t.out_dim)
         r = a.shape[0] if a.ndim == 2 else -1
         if a.ndim != 2 or b.ndim != 2 or a.shape[1] != d_in or b.shape != (d_out, r):
             raise ValueError(f"LoRA adapter {lora.lora_name!r} does not fit this model: layer {layer} {module} has "
@@ -182,8 +185,12 @@ def read_adapter(lora: LoRARequest, model_cls, arch: ModelArchConfig, targets: d
         path_name = f"model.layers.{layer}.{module}"
         alpha = _pattern_value(cfg.get("alpha_pattern"), path_name, cfg["lora_alpha"])
         scale = alpha / (math.sqrt(r) if use_rslora else r)
-        wa, wb = weights[t.name]
-        wa[layer, :, :r] = a.astype(np.float32).T
-        wb[layer, :r, :] = (scale * b.astype(np.float32)).T[:, t.out_source(arch)]
-        max_rank, _ = max(max_rank, r), modules.add(t.name)
+        for t in by_module[module]:  # each block of a fused module takes its rows of B
+            off = dim_size(ckpt, t.row_offset) if t.row_offset else 0
+            rows = b[off:off + dim_size(ckpt, t.out_dim)]
+            wa, wb = weights[t.name]
+            wa[layer, :, :r] = a.astype(np.float32).T
+            wb[layer, :r, :] = (scale * rows.astype(np.float32)).T[:, t.out_source(arch)]
+            modules.add(t.name)
+        max_rank = max(max_rank, r)
     return HostAdapter(lora, max_rank, tuple(sorted(modules)), weights)

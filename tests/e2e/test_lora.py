@@ -145,6 +145,16 @@ def test_qwen3_and_moe_attention_equal_hf_merged(tiny_models, tmp_path, arch):
 
 
 @pytest.mark.devices(4)
+def test_phi3_fused_projections_equal_hf_merged(tiny_models, tmp_path):
+    """Phi-3's adapters target its fused modules (qkv_proj, gate_up_proj): one A per
+    module, and each of q / k / v (gate / up) takes its block of B's rows."""
+    base = tiny_models("phi3", kv_heads=2, seed=1)
+    merged = make_peft_adapter(base, tmp_path / "a", r=8, alpha=16, seed=5,
+                               targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    llm = make_llm(base)
+    check_against_hf(llm, merged, LoRARequest("a", 1, str(tmp_path / "a")), prompts(5, [6, 31]), "phi3")
+
+
 def test_tensor_parallel_equals_one_device(llama):
     """tp 4 over 2 KV heads (each replicated twice, and the adapters' K / V columns
     with them): the tokens and logprobs of the base and two adapters equal tp 1's."""
