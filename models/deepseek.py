@@ -45,8 +45,6 @@ _KV_A = "kv_lora_rank+head_dim"  # the latent and the rope key (head_dim: the ro
 _KV_B = "num_attention_heads*qk_nope_head_dim+num_attention_heads*v_head_dim"
 _O = "num_attention_heads*v_head_dim"
 _EXPERTS = ("experts_gate", "experts_up", "experts_down")
-_DENSE = ("dense_gate", "dense_up", "dense_down")
-_SHARED = ("shared_gate", "shared_up", "shared_down")
 
 
 def _mscale(factor: float, mscale: float) -> float:

@@ -41,8 +41,8 @@ _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds column _
 
 
 def packed_method(qc: dict | None) -> str | None:
-    """The format of ``quantization_config`` if it is one decoded at read (mxfp4, awq, gptq,
-    compressed-tensors/pack-quantized), else None. ValueError for a packed format's variant not supported (bits, layout)."""
+    """The format of ``quantization_config`` if it is one decoded at read (mxfp4, fp8 with
+    weight_block_size, awq, gptq, compressed-tensors/pack-quantized), else None. ValueError for a packed format's variant not supported (bits, layout)."""
     if not qc:
         return None
     method = qc.get("quant_method")
@@ -109,11 +109,15 @@ def decode_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return np.ldexp(values.reshape(*blocks.shape[:-1], MXFP4_BLOCK), exps[..., None]).reshape(blocks.shape[0], -1)
 
 
+def _per_element(block_scales, block, shape) -> np.ndarray:
+    """Per-block scales [ceil(out / b0), ceil(in / b1)] spread over ``shape`` [out, in]."""
+    full = np.repeat(np.repeat(np.asarray(block_scales, np.float32), block[0], 0), block[1], 1)
+    return full[:shape[0], :shape[1]]
+
+
 def decode_fp8_block(weight, scale_inv, block) -> np.ndarray:
     """fp8 [out, in] and its per-block scales [ceil(out / b0), ceil(in / b1)] -> float32 [out, in]."""
-    out, inp = weight.shape
-    scales = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), block[0], 0), block[1], 1)[:out, :inp]
-    return weight.astype(np.float32) * scales
+    return weight.astype(np.float32) * _per_element(scale_inv, block, weight.shape)
 
 
 def pack_fp8_block(w_out_in: np.ndarray, block):
@@ -128,7 +132,7 @@ def pack_fp8_block(w_out_in: np.ndarray, block):
     padded[:out, :inp] = w
     amax = np.abs(padded.reshape(rows, b0, cols, b1)).max(axis=(1, 3))
     scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
-    q = (w / np.repeat(np.repeat(scale, b0, 0), b1, 1)[:out, :inp]).astype(ml_dtypes.float8_e4m3fn)
+    q = (w / _per_element(scale, block, w.shape)).astype(ml_dtypes.float8_e4m3fn)
     parts = {"weight": np.ascontiguousarray(q), "weight_scale_inv": scale}
     return parts, decode_fp8_block(q, scale, block)
 

@@ -85,7 +85,7 @@ def _kernel(
     item, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_splits = pl.num_programs(2)
     _, page_size, two_k, head_dim = kv_ref.shape[-4:]
-    pair = 1 if two_k == 1 else 2  # one latent row (MLA): the key and the value
+    pair = rows_per_kv_head(kv_ref)  # 1: one latent row (MLA), the key and the value
 
     def kv_at(page, slot, row, col):
         if len(kv_ref.shape) == 5:

@@ -159,7 +159,7 @@ def _rpa_kernel(
 ):
     bq, num_heads, head_dim = q_ref.shape
     _, npb, page_size, two_k, _ = kv_bufs.shape
-    k_heads = max(two_k // 2, 1)  # one latent row: one KV head
+    k_heads = two_k // rows_per_kv_head(kv_bufs)
     groups = num_heads // k_heads
     rows = bq * groups
     bkv = npb * page_size

@@ -166,12 +166,12 @@ def read_adapter(lora: LoRARequest, model_cls, arch: ModelArchConfig, targets: d
     use_rslora = bool(cfg.get("use_rslora", False))
     max_rank, modules = 0, set()
     for (layer, module), ab in sorted(found.items()):
-        t = by_module[module][0]
+        first = by_module[module][0]  # a fused module's blocks share its in dim and fused rows
         if set(ab) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {lora.lora_name!r}: layer {layer} {module} has lora_{''.join(ab)} only")
         a, b = ab["A"], ab["B"]
-        d_in = dim_size(ckpt, t.in_dim)
-        d_out = dim_size(ckpt, t.fused_rows if t.fused_rows else t.out_dim)
+        d_in = dim_size(ckpt, first.in_dim)
+        d_out = dim_size(ckpt, first.fused_rows if first.fused_rows else first.out_dim)
         r = a.shape[0] if a.ndim == 2 else -1
         if a.ndim != 2 or b.ndim != 2 or a.shape[1] != d_in or b.shape != (d_out, r):
             raise ValueError(f"LoRA adapter {lora.lora_name!r} does not fit this model: layer {layer} {module} has "
