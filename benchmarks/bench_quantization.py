@@ -16,7 +16,9 @@ saw the same context). Throughput: ``--num-prompts`` random-token prompts of
 The int4 quantizations (awq, gptq, w4a16) are checkpoint formats, not load-time
 options: the model's projections are written in that format (models/packed_formats.py's
 reference packers: round to nearest in groups of ``--group-size``, no calibration) into a
-temporary folder, which the engine then serves.
+temporary folder, which the engine then serves: decoded to floats at load (``awq``:
+the CPU's default), or with ``-int4`` (``awq-int4``) kept as int4 and dequantized inside
+each product (``--quantization awq``, TPU / GPU's default).
 """
 from __future__ import annotations
 
@@ -102,13 +104,16 @@ def main() -> None:
         weight_dtype, kv_dtype = (rest + ["auto", "auto"])[:2]
         quant = None if quant == "none" else quant
         overrides = {}
-        if quant in INT4_FORMATS:  # a checkpoint format: write the model in it, serve that folder
+        fmt = quant[:-len("-int4")] if quant and quant.endswith("-int4") else quant
+        if fmt in INT4_FORMATS:  # a checkpoint format: write the model in it, serve that folder
             from models.default_model import default_model_dir
             from models.packed_formats import write_int4_folder
 
-            folder = Path(tempfile.mkdtemp(prefix=f"jaxserve-{quant}-"))
-            write_int4_folder(engine_args.model or default_model_dir(), folder, quant, args.group_size)
-            overrides, quant = dict(model=str(folder)), None
+            folder = Path(tempfile.mkdtemp(prefix=f"jaxserve-{fmt}-"))
+            write_int4_folder(engine_args.model or default_model_dir(), folder, fmt, args.group_size)
+            # "<fmt>-int4": the weights kept as int4 (TPU / GPU's way); "<fmt>": decoded at load.
+            keep = {"awq": "awq", "gptq": "gptq", "w4a16": "compressed-tensors"}[fmt] if fmt != quant else None
+            overrides, quant = dict(model=str(folder)), keep
         t0 = time.perf_counter()
         llm = LLM(**engine_kwargs(engine_args, dtype=dtype, quantization=quant, weight_dtype=weight_dtype,
                                   kv_cache_dtype=kv_dtype, **overrides))

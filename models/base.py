@@ -79,9 +79,12 @@ class Weight:
 
 def dim_size(config: ModelArchConfig, dim: str) -> int:
     """The size ``dim`` names: ModelArchConfig fields and integers, products ("a*b") and
-    sums of them ("a*b+2*c*b", a fused tensor's rows)."""
-    return sum(math.prod(int(f) if f.isdigit() else getattr(config, f) for f in term.split("*"))
+    sums of them ("a*b+2*c*b", a fused tensor's rows), optionally divided by an integer
+    ("hidden_size//128": int4 scale groups)."""
+    dim, _, divisor = dim.partition("//")
+    size = sum(math.prod(int(f) if f.isdigit() else getattr(config, f) for f in term.split("*"))
                for term in dim.split("+"))
+    return size // int(divisor) if divisor else size
 
 
 def make_param(name: str, value, weight: Weight, config: ModelArchConfig, dtype) -> nnx.Param:

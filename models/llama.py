@@ -29,7 +29,7 @@ from models.base import MODEL, CausalLM, Weight, make_param
 from models.batch_invariance import rowwise
 from models.config import ModelArchConfig, hf_common_fields
 from models.lora import LORA_A, LORA_B, LORA_MASK, LORA_ON
-from models.quantization import linear, matmul, matmul_weight_names, param_map, scan_safe
+from models.quantization import GIDX, SCALE, ZERO, linear, matmul, matmul_weight_names, param_map, scan_safe
 from models.rope import apply_rope, rope_attention_factor, rope_inv_freq
 from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.storage import stacked_weights_as_bits
@@ -74,8 +74,8 @@ class DecoderLayers(nnx.Module):
     def __init__(self, config: ModelArchConfig, weights: dict, weight_map: dict[str, Weight], dtypes: dict,
                  bf16_bits: bool = False) -> None:
         for name, w in weight_map.items():
-            # Quantized weights (int8 / fp8) and their scales (float32) keep their dtype.
-            own = jnp.dtype(weights[name].dtype).itemsize == 1 or name.endswith("_scale")
+            # Quantized weights (int8 / fp8 / int4) and their scales, zeros and groups keep their dtype.
+            own = jnp.dtype(weights[name].dtype).itemsize == 1 or name.endswith((SCALE, ZERO, GIDX))
             param = make_param(name, weights[name], w, config, None if own else dtypes[name])
             if bf16_bits and param.dtype == jnp.bfloat16:
                 param = nnx.Param(scan_safe(param[...]), out_sharding=w.partition, eager_sharding=False)

@@ -16,11 +16,13 @@ from models import packed_formats
 from models.base import MODEL
 from models.checkpoint import is_orbax_checkpoint, restore_orbax
 from models.config import ModelArchConfig
-from models.quantization import (KV_SCALE_TENSORS, check_quantization, checkpoint_transform, matmul_weight_names,
-                                 quantized_names, quantizer, read_checkpoint_quantization, read_kv_cache_scales)
+from models.base import dim_size
+from models.quantization import (GIDX, INT4_METHODS, KV_SCALE_TENSORS, SCALE, ZERO, check_quantization,
+                                 checkpoint_transform, int4_candidates, matmul_weight_names, quantized_names,
+                                 quantizer, read_checkpoint_quantization, read_kv_cache_scales)
 from models.registry import get_model_class
 from models.rope import longrope_settings
-from models.sharding import arch_for_tensor_parallel, place_variables
+from models.sharding import arch_for_tensor_parallel, checkpoint_arch, place_variables
 from models.weights import SafetensorsCheckpoint, stream_safetensors
 
 logger = logging.getLogger("jaxserve")
@@ -49,10 +51,15 @@ def load_model(model_path: str | Path, *, mesh: Mesh, dtype, progress: bool = Tr
     model_cls = get_model_class(arch.architecture)
     arch = arch_for_tensor_parallel(arch, mesh.shape[MODEL], model_cls, expert_parallel=expert_parallel)
     hf_cfg = json.loads((Path(model_path) / "config.json").read_text())
-    packed_formats.check_platform(packed_formats.packed_method(hf_cfg.get("quantization_config")),
-                                  jax.default_backend())
+    packed = packed_formats.packed_method(hf_cfg.get("quantization_config"))
+    keep_int4 = _keeps_int4(packed, quantization, jax.default_backend())
+    if not keep_int4:
+        packed_formats.check_platform(packed, jax.default_backend())
     stored = read_checkpoint_quantization(hf_cfg)
-    if stored is not None:
+    if keep_int4:
+        arch, params = _read_int4(model_path, arch, model_cls, mesh=mesh, dtype=dtype, progress=progress,
+                                  param_dtype=param_dtype)
+    elif stored is not None:
         arch, params = _read_prequantized(model_path, arch, model_cls, stored, quantization, mesh=mesh, dtype=dtype,
                                           progress=progress, param_dtype=param_dtype)
     else:
@@ -66,6 +73,54 @@ def load_model(model_path: str | Path, *, mesh: Mesh, dtype, progress: bool = Tr
     del params
     graphdef, state = nnx.split(model)
     return arch, graphdef, place_variables(state, mesh)
+
+
+def _keeps_int4(packed: str | None, quantization: str | None, platform: str) -> bool:
+    """Whether an int4 checkpoint (AWQ, GPTQ, pack-quantized) is served with its weights
+    kept as int4 (models/quantization.py: dequantized inside each product): always on TPU
+    / GPU, on CPU when ``quantization`` names its format (vLLM's --quantization awq /
+    gptq / compressed-tensors); otherwise the CPU decodes it to floats at load, its
+    fastest (benchmarks/bench_quantization.py). ValueError for a format name that is
+    not the checkpoint's."""
+    if quantization in INT4_METHODS:
+        if packed not in packed_formats.INT4_FORMATS or packed_formats.INT4_QUANTIZATION[packed] != quantization:
+            raise ValueError(f"quantization={quantization!r} names an int4 checkpoint format, but the checkpoint is "
+                             f"{packed_formats.INT4_QUANTIZATION.get(packed, packed) or 'not packed int4'}")
+        return True
+    return packed in packed_formats.INT4_FORMATS and quantization is None and platform != "cpu"
+
+
+def _read_int4(model_path, arch, model_cls, *, mesh, dtype, progress, param_dtype=None):
+    """(arch, params) of an int4 checkpoint served as int4: each projection the checkpoint
+    holds in int4 is read as its codes (uint4), scales, zeros (float32) and, under
+    act-order, each input row's group (``quantization.int4_weights``); the rest as
+    floats."""
+    ckpt = SafetensorsCheckpoint(model_path)
+    group, act_order = ckpt.int4_layout()
+    ckpt.add_int4_views(act_order)
+    arch = dataclasses.replace(arch, quantization="int4", int4_group_size=group, int4_act_order=act_order)
+    wm, stored_wm = model_cls.weight_map(arch), model_cls.weight_map(checkpoint_arch(arch))
+    int4 = lambda n: all(t + "#codes" in ckpt.tensors for _, t in stored_wm[n].tensor_names(checkpoint_arch(arch)))
+    names = tuple(n for n in int4_candidates(wm) if int4(n))
+    experts = [n for n, w in wm.items() if "e" in w.stacked and w.per_layer and len(w.dims) >= 4 and int4(n)]
+    if experts and jax.default_backend() != "cpu":
+        raise ValueError(f"{model_path}: int4 MoE experts ({', '.join(experts)}) are served on CPU only for now "
+                         "(decoded to floats at load)")
+    for n in names:
+        d_in, p_in = wm[n].dims[-2], wm[n].partition[-2]
+        local = dim_size(arch, d_in) // (mesh.shape[p_in] if p_in else 1)
+        if group and not act_order and local % group:
+            raise ValueError(f"{model_path}: {n}'s {local} input rows per device are not whole groups of {group}; "
+                             "use a tensor-parallel size that splits them into whole groups")
+    arch = dataclasses.replace(arch, int4_params=names)
+    logger.info("%s: %d projections kept in int4 (groups of %s%s)", model_path, len(names), group or "all rows",
+                ", act-order" if act_order else "")
+    dtypes = _narrow_dtypes(wm, dtype, param_dtype, quantized=True)
+    for n in names:
+        dtypes |= {n: jnp.uint4, n + SCALE: jnp.float32, n + ZERO: jnp.float32, n + GIDX: jnp.int32}
+    params = stream_safetensors(model_path, arch, model_cls, mesh, dtype, progress=progress, param_dtypes=dtypes,
+                                extra_ignored=(KV_SCALE_TENSORS,), ckpt=ckpt)
+    return arch, params
 
 
 def _narrow_dtypes(weight_map, dtype, param_dtype, quantized: bool) -> dict:

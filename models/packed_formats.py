@@ -25,11 +25,15 @@ weight updates see a plain checkpoint.
 
 They are decoded on the host (float32; MXFP4 in bfloat16, exact), so on CPU the model then
 runs at the float model's speed with the quantized model's values
-(benchmarks/bench_quantization.py measures both). TPU / GPU want the int4 product
-inside the matmul instead (the weights kept packed); that path is not built, so the
-loader refuses these formats there (``check_platform``).
+(benchmarks/bench_quantization.py measures both). The int4 formats can instead be served
+with their weights kept as int4 (``Int4Parts``: the codes, zeros and scales unpacked but
+not decoded; models/quantization.py dequantizes them inside each product), the default
+on TPU / GPU. MXFP4 and fp8 blocks have only the decoded path, so the loader refuses
+them there (``check_platform``).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import ml_dtypes
@@ -37,6 +41,10 @@ import ml_dtypes
 _FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                        np.float32)
 MXFP4_BLOCK = 32  # values per shared exponent
+PACK_QUANTIZED = "compressed-tensors/pack-quantized"
+INT4_FORMATS = ("awq", "gptq", PACK_QUANTIZED)  # the formats an int4-served model keeps as int4
+# vLLM's --quantization name of each: asking for it keeps the weights in int4 on any platform.
+INT4_QUANTIZATION = {"awq": "awq", "gptq": "gptq", PACK_QUANTIZED: "compressed-tensors"}
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds column _AWQ_ORDER[i] of its eight
 
 
@@ -79,7 +87,7 @@ def packed_method(qc: dict | None) -> str | None:
             if group.get("input_activations"):
                 raise ValueError("quantization_config: pack-quantized with quantized activations is not supported "
                                  "(W4A16 only)")
-        return "compressed-tensors/pack-quantized"
+        return PACK_QUANTIZED
     return None
 
 
@@ -137,33 +145,74 @@ def pack_fp8_block(w_out_in: np.ndarray, block):
     return parts, decode_fp8_block(q, scale, block)
 
 
-def decode_awq(qweight, qzeros, scales, group_size: int) -> np.ndarray:
-    """AWQ -> float32 [out, in] (HF Linear layout)."""
-    q = unpack_int4(qweight, axis=1, order=_AWQ_ORDER).astype(np.float32)  # [in, out]
+@dataclasses.dataclass
+class Int4Parts:
+    """One int4 projection in the HF Linear layout, unpacked but not decoded: the weight
+    is ``(codes - zeros[:, g]) * scales[:, g]`` with ``g`` each input column's group
+    (``g_idx``; None: consecutive blocks of in / G columns)."""
+
+    codes: np.ndarray  # uint8 [out, in], values 0..15
+    zeros: np.ndarray  # float32 [out, G]
+    scales: np.ndarray  # float32 [out, G]
+    g_idx: np.ndarray | None = None  # int32 [in] (GPTQ act-order), or None
+
+    def groups(self) -> np.ndarray:
+        """Each input column's group, int64 [in]."""
+        n_in, n_groups = self.codes.shape[1], self.scales.shape[1]
+        return (np.arange(n_in) // (n_in // n_groups) if self.g_idx is None else np.asarray(self.g_idx, np.int64))
+
+    def decode(self) -> np.ndarray:
+        """float32 [out, in]."""
+        g = self.groups()
+        return (self.codes.astype(np.float32) - self.zeros[:, g]) * self.scales[:, g]
+
+
+def awq_parts(qweight, qzeros, scales) -> Int4Parts:
+    """AutoAWQ GEMM tensors -> Int4Parts (consecutive groups)."""
+    q = unpack_int4(qweight, axis=1, order=_AWQ_ORDER)  # [in, out]
     z = unpack_int4(qzeros, axis=1, order=_AWQ_ORDER).astype(np.float32)  # [in / g, out]
-    rows = np.arange(q.shape[0]) // group_size
-    return ((q - z[rows]) * scales.astype(np.float32)[rows]).T
+    return Int4Parts(np.ascontiguousarray(q.T), np.ascontiguousarray(z.T), np.ascontiguousarray(
+        np.asarray(scales, np.float32).T))
 
 
-def decode_gptq(qweight, qzeros, scales, g_idx, zero_offset: int) -> np.ndarray:
-    """GPTQ -> float32 [out, in]; ``zero_offset`` 1 for the v1 format (zeros stored minus one)."""
-    q = unpack_int4(qweight, axis=0).astype(np.float32)  # [in, out]
+def gptq_parts(qweight, qzeros, scales, g_idx, zero_offset: int) -> Int4Parts:
+    """GPTQ tensors -> Int4Parts; ``zero_offset`` 1 for the v1 format (zeros stored minus
+    one). ``g_idx`` None or in order (no act-order) gives consecutive groups."""
+    q = unpack_int4(qweight, axis=0)  # [in, out]
     z = unpack_int4(qzeros, axis=1).astype(np.float32) + zero_offset  # [groups, out]
     # (v1 zeros wrap: a stored 0xF for zero 0 reads 16 minus one; the + 1 is mod 16.)
     z = np.where(z > 15, z - 16, z) if zero_offset else z
-    g = np.asarray(g_idx, np.int64)
-    return ((q - z[g]) * scales.astype(np.float32)[g]).T
+    n_in, n_groups = q.shape[0], z.shape[0]
+    if g_idx is not None and np.array_equal(np.asarray(g_idx), np.arange(n_in) // (n_in // n_groups)):
+        g_idx = None
+    return Int4Parts(np.ascontiguousarray(q.T), np.ascontiguousarray(z.T),
+                     np.ascontiguousarray(np.asarray(scales, np.float32).T),
+                     None if g_idx is None else np.asarray(g_idx, np.int32))
+
+
+def pack_quantized_parts(packed, scale, shape=None) -> Int4Parts:
+    """compressed-tensors pack-quantized (symmetric) -> Int4Parts: signed int4 values in
+    [-8, 7] stored offset by 8 (the zero point), one scale per group of in (or per row)."""
+    q = unpack_int4(packed, axis=1)  # [out, in (padded to 8)]
+    if shape is not None:
+        q = q[:, :int(shape[1])]
+    s = np.asarray(scale, np.float32)
+    return Int4Parts(np.ascontiguousarray(q), np.full(s.shape, 8.0, np.float32), s)
+
+
+def decode_awq(qweight, qzeros, scales) -> np.ndarray:
+    """AWQ -> float32 [out, in] (HF Linear layout)."""
+    return awq_parts(qweight, qzeros, scales).decode()
+
+
+def decode_gptq(qweight, qzeros, scales, g_idx, zero_offset: int) -> np.ndarray:
+    """GPTQ -> float32 [out, in]."""
+    return gptq_parts(qweight, qzeros, scales, g_idx, zero_offset).decode()
 
 
 def decode_pack_quantized(packed, scale, shape=None) -> np.ndarray:
-    """compressed-tensors pack-quantized (symmetric) -> float32 [out, in]: signed int4
-    values in [-8, 7] stored offset by 8, one scale per group of in (or per row)."""
-    q = unpack_int4(packed, axis=1).astype(np.float32) - 8.0  # [out, in (padded to 8)]
-    if shape is not None:
-        q = q[:, :int(shape[1])]
-    group = q.shape[1] // scale.shape[1]
-    cols = np.arange(q.shape[1]) // group
-    return q * scale.astype(np.float32)[:, cols]
+    """compressed-tensors pack-quantized -> float32 [out, in]."""
+    return pack_quantized_parts(packed, scale, shape).decode()
 
 
 # ---------------------------------------------------------------- reference packers
@@ -225,7 +274,7 @@ def pack_awq(w_out_in: np.ndarray, group_size: int):
     q, z, s = quantize_groups(np.asarray(w_out_in).T, group_size, symmetric=False)
     s = np.ascontiguousarray(s.astype(np.float16))
     parts = {"qweight": pack_int4(q, 1, _AWQ_ORDER), "qzeros": pack_int4(z, 1, _AWQ_ORDER), "scales": s}
-    return parts, decode_awq(parts["qweight"], parts["qzeros"], s, group_size)
+    return parts, decode_awq(parts["qweight"], parts["qzeros"], s)
 
 
 def pack_gptq(w_out_in: np.ndarray, group_size: int, act_order: bool, seed: int = 0):

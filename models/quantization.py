@@ -36,9 +36,13 @@ from models.sharding import checkpoint_arch, source_indices
 from pallas_kernels import cpu_matmul
 from pallas_kernels.storage import from_bf16_bits, to_bf16_bits
 
-QUANTIZATION_METHODS = ("int8", "fp8")
+QUANTIZATION_METHODS = ("int8", "fp8")  # quantized at load; "int4": kept from an int4 checkpoint
+# --quantization values that name an int4 checkpoint's format: its weights kept as int4.
+INT4_METHODS = tuple(packed_formats.INT4_QUANTIZATION.values())
 WEIGHT_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 SCALE = "_scale"
+ZERO = "_zero"  # an int4 weight's zero points, [..., G, out]
+GIDX = "_gidx"  # an act-order int4 weight's group of each input row, [..., in]
 # Per-layer projections that are never quantized (see the module docstring).
 _KEEP = ("router", "shared_expert_gate", "kv_b_proj")  # kv_b_proj: MLA reads it as a tensor
 _EXPERTS = ("experts_gate", "experts_up", "experts_down")  # models/moe.py's expert weights
@@ -49,7 +53,8 @@ def quantized_names(weight_map: dict[str, Weight]) -> list[str]:
     Linear weight, [..., in, out]; GPT-OSS's experts, stored [E, in, out] already) except
     those in _KEEP."""
     return [n for n, w in weight_map.items()
-            if w.per_layer and len(w.dims) >= 3 and (w.transpose or n in _EXPERTS) and n not in _KEEP]
+            if w.per_layer and len(w.dims) >= 3 and (w.transpose or n in _EXPERTS) and n not in _KEEP
+            and not n.endswith((SCALE, ZERO))]  # an int4 weight's group scales and zeros
 
 
 def matmul_weight_names(weight_map: dict[str, Weight]) -> list[str]:
@@ -68,19 +73,75 @@ def scale_weight(w: Weight) -> Weight:
                                sharding=part[:drop] + part[drop + 1:], transpose=False)
 
 
-def param_map(model_cls, arch: ModelArchConfig) -> dict[str, Weight]:
-    """Every param the model holds: ``model_cls.weight_map(arch)``, plus a scale per
-    quantized param when ``arch.quantization`` is set."""
+def int4_candidates(weight_map: dict[str, Weight]) -> list[str]:
+    """The params an int4 checkpoint's projections may be served as int4: the per-layer
+    projections int8 takes, less the experts (their products are models/moe.py's)."""
+    return [n for n in quantized_names(weight_map) if "e" not in weight_map[n].stacked]
+
+
+def int4_weights(w: Weight, arch: ModelArchConfig) -> dict[str, Weight]:
+    """The params an int4 projection ``w`` [..., in, out] is served as, by suffix: its
+    codes ("", uint4, the same layout), ``SCALE`` and ``ZERO`` (float32 [..., G, out]) and,
+    under act-order, ``GIDX`` (int32 [..., in]), each read from the checkpoint's int4 views
+    (models/weights.py: add_int4_views). The groups are split like the ``in`` axis
+    where each device holds whole groups of its rows; else (one group, act-order) whole."""
+    *lead, d_in, d_out = w.dims
+    *lead_part, p_in, p_out = w.partition
+    g = arch.int4_group_size
+    group_dim = f"{d_in}//{g}" if g else "1"
+    p_group = p_in if g and not arch.int4_act_order else None
+    out = {"": dataclasses.replace(w, hf_name=w.hf_name + "#codes"),
+           SCALE: dataclasses.replace(w, hf_name=w.hf_name + "#scales", dims=(*lead, group_dim, d_out),
+                                      sharding=(*lead_part, p_group, p_out)),
+           ZERO: dataclasses.replace(w, hf_name=w.hf_name + "#zeros", dims=(*lead, group_dim, d_out),
+                                     sharding=(*lead_part, p_group, p_out))}
+    if arch.int4_act_order:
+        out[GIDX] = Weight(w.hf_name + "#gidx", (*lead, d_in), (*lead_part, p_in), layer_offset=w.layer_offset)
+    return out
+
+
+def checkpoint_weight_map(model_cls, arch: ModelArchConfig) -> dict[str, Weight]:
+    """What the model reads from its checkpoint: ``model_cls.weight_map(arch)``, with each
+    of ``arch.int4_params`` read as its int4 parts (``int4_weights``)."""
     wm = model_cls.weight_map(arch)
-    if not arch.quantization:
+    if arch.quantization != "int4":
+        return wm
+    out = {}
+    for n, w in wm.items():
+        parts = int4_weights(w, arch) if n in arch.int4_params else {"": w}
+        out |= {n + suffix: part for suffix, part in parts.items()}
+    return out
+
+
+def param_map(model_cls, arch: ModelArchConfig) -> dict[str, Weight]:
+    """Every param the model holds: ``checkpoint_weight_map``, plus a scale per param
+    quantized at load (int8 / fp8)."""
+    wm = checkpoint_weight_map(model_cls, arch)
+    if arch.quantization not in QUANTIZATION_METHODS:
         return wm
     return wm | {n + SCALE: scale_weight(wm[n]) for n in quantized_names(wm)}
 
 
 def check_quantization(method: str | None) -> None:
-    if method is not None and method not in QUANTIZATION_METHODS:
+    if method is not None and method not in QUANTIZATION_METHODS + INT4_METHODS:
         raise ValueError(f"quantization={method!r} is not supported; allowed values: "
-                         f"{', '.join(QUANTIZATION_METHODS)} (or none)")
+                         f"{', '.join(QUANTIZATION_METHODS + INT4_METHODS)} (or none)")
+
+
+def dequantize_int4(codes, scale, zero, gidx, dtype):
+    """An int4 weight's values in ``dtype``: codes uint4 [in, out], scale and zero float32
+    [G, out], gidx None (groups of in / G consecutive rows) or int32 [in] (each row's
+    group) -> [in, out] = (codes - zero) * scale, computed in float32 as the checkpoint
+    reader decodes it (the same values as the float view). Inside the step's jit, XLA
+    fuses this into the dot's operand on TPU / GPU: the weights stay int4 in memory."""
+    q = codes.astype(jnp.float32)
+    if gidx is not None:
+        w = (q - zero[gidx]) * scale[gidx]
+    else:
+        groups, (n_in, n_out) = scale.shape[-2], codes.shape[-2:]
+        q = q.reshape(groups, n_in // groups, n_out)
+        w = ((q - zero[:, None]) * scale[:, None]).reshape(n_in, n_out)
+    return w.astype(dtype)
 
 
 def quantize_int8(w):
@@ -235,6 +296,8 @@ def linear(x, lw: dict, name: str):
     scale = lw.get(name + SCALE)
     if scale is None:
         y = matmul(x, w)
+    elif scale.ndim == w.ndim:  # int4 with group scales
+        y = matmul(x, dequantize_int4(w, scale, lw[name + ZERO], lw.get(name + GIDX), x.dtype))
     else:
         wide = w.astype(x.dtype)
         product = invariant_matmul(x, wide, native=False) if batch_invariance.active() else x @ wide

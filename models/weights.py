@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from models import packed_formats
+from models.quantization import checkpoint_weight_map
 from models.base import Weight, dim_size
 from models.config import ModelArchConfig
 from models.sharding import checkpoint_arch, source_indices
@@ -95,6 +96,8 @@ class SafetensorsCheckpoint:
                 if name != "__metadata__":
                     self.tensors[name] = TensorInfo(path, t["dtype"], tuple(t["shape"]), 8 + size + t["data_offsets"][0])
         self.packed: dict[str, tuple[str, dict[str, TensorInfo]]] = {}  # name -> (format, its parts)
+        self.views: dict[str, tuple[str, str]] = {}  # add_int4_views: view name -> (float view, part)
+        self._last_parts = None
         config = self.model_dir / "config.json"
         qc = json.loads(config.read_text()).get("quantization_config") if config.exists() else None
         self._find_packed(packed_formats.packed_method(qc), qc or {})
@@ -133,7 +136,7 @@ class SafetensorsCheckpoint:
                 if self.tensors.get(base) is None or self.tensors[base].dtype != "F8_E4M3":
                     raise ValueError(f"{self.model_dir}: fp8 scale {name} comes without an F8_E4M3 {base}")
                 take(method, base, {"main": base, "scales": name}, "F32", self.tensors[base].shape)
-        elif method == "compressed-tensors/pack-quantized":
+        elif method == packed_formats.PACK_QUANTIZED:
             for name in [n for n in self.tensors if n.endswith(".weight_packed")]:
                 base = name[:-len(".weight_packed")]
                 parts = {"main": name, "scales": base + ".weight_scale"}
@@ -155,9 +158,68 @@ class SafetensorsCheckpoint:
         (axis 0) are read as one range; a narrower range of the other axes goes through a
         scratch buffer of whole rows."""
         self.dtype(name)  # a clear error for a dtype no param may have
+        if name in self.views:
+            base, view = self.views[name]
+            parts = self.int4_parts(base)
+            return (parts.groups().astype(np.int32) if view == "gidx" else getattr(parts, view))[index]
         if name in self.packed:
             return self._read_packed(name, index)
         return self._read(self.tensors[name], index)
+
+    def int4_parts(self, name: str) -> packed_formats.Int4Parts:
+        """The unpacked parts of an int4 projection ``name`` (its float view's name: AWQ,
+        GPTQ or pack-quantized), read whole; the last one is kept (its views are read in turn)."""
+        if self._last_parts is not None and self._last_parts[0] == name:
+            return self._last_parts[1]
+        fmt, parts = self.packed[name]
+        whole = lambda part: self._read(parts[part], tuple(slice(None) for _ in parts[part].shape))
+        if fmt == "awq":
+            out = packed_formats.awq_parts(whole("main"), whole("zeros"), whole("scales"))
+        elif fmt == "gptq":
+            out = packed_formats.gptq_parts(whole("main"), whole("zeros"), whole("scales"),
+                                            whole("g_idx") if "g_idx" in parts else None,
+                                            self.packed_options["zero_offset"])
+        else:
+            out = packed_formats.pack_quantized_parts(whole("main"), whole("scales"),
+                                                      shape=whole("shape") if "shape" in parts else None)
+        self._last_parts = (name, out)
+        return out
+
+    def int4_layout(self) -> tuple[int, bool]:
+        """(group size, act-order) shared by the checkpoint's int4 projections: the group
+        size 0 for one scale per output row (channel), act-order when some GPTQ tensor's
+        groups are out of order. ValueError when projections disagree on the group size."""
+        sizes, act_order = set(), False
+        for name, (fmt, parts) in self.packed.items():
+            if fmt not in packed_formats.INT4_FORMATS:
+                continue
+            n_in = self.tensors[name].shape[1]
+            groups = parts["scales"].shape[1 if fmt == packed_formats.PACK_QUANTIZED else 0]
+            sizes.add(0 if groups == 1 else n_in // groups)
+            if "g_idx" in parts:
+                g_idx = self._read(parts["g_idx"], (slice(None),))
+                act_order |= not np.array_equal(g_idx, np.arange(n_in) // (n_in // groups))
+        if len(sizes) > 1:
+            raise ValueError(f"{self.model_dir}: the int4 projections have different group sizes {sorted(sizes)}")
+        return (sizes.pop() if sizes else 0), act_order
+
+    def add_int4_views(self, act_order: bool) -> None:
+        """Beside each int4 projection's float view ``X.weight``, its parts as tensors of
+        their own, for a model served with the weights kept in int4
+        (models/quantization.py): ``X.weight#codes`` (uint8 [out, in]), ``#zeros`` and
+        ``#scales`` (float32 [out, G]) and, with ``act_order``, ``#gidx`` (int32 [in],
+        each input row's group)."""
+        for name, (fmt, parts) in list(self.packed.items()):
+            if fmt not in packed_formats.INT4_FORMATS:
+                continue
+            out, n_in = self.tensors[name].shape
+            groups = parts["scales"].shape[1 if fmt == packed_formats.PACK_QUANTIZED else 0]
+            views = {"codes": ("U8", (out, n_in)), "zeros": ("F32", (out, groups)), "scales": ("F32", (out, groups))}
+            if act_order:
+                views["gidx"] = ("I32", (n_in,))
+            for view, (dtype, shape) in views.items():
+                self.tensors[f"{name}#{view}"] = TensorInfo(self.tensors[name].path, dtype, shape, -1)
+                self.views[f"{name}#{view}"] = (name, view)
 
     def _read_packed(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """``index`` of a packed tensor, decoded (models/packed_formats.py) into its dtype."""
@@ -166,20 +228,10 @@ class SafetensorsCheckpoint:
         dtype = np.dtype(_DTYPES[info.dtype])
         whole = lambda part: self._read(parts[part], tuple(slice(None) for _ in parts[part].shape))
         if fmt != "mxfp4":  # one [out, in] projection: decoded whole, then cut
-            if fmt == "awq":
-                w = packed_formats.decode_awq(whole("main"), whole("zeros"), whole("scales"),
-                                              self.packed_options["group_size"])
-            elif fmt == "gptq":
-                in_features = info.shape[1]
-                g_idx = whole("g_idx") if "g_idx" in parts else np.arange(in_features) // self.packed_options[
-                    "group_size"]
-                w = packed_formats.decode_gptq(whole("main"), whole("zeros"), whole("scales"), g_idx,
-                                               self.packed_options["zero_offset"])
-            elif fmt == "fp8":
+            if fmt == "fp8":
                 w = packed_formats.decode_fp8_block(whole("main"), whole("scales"), self.packed_options["block"])
             else:
-                w = packed_formats.decode_pack_quantized(whole("main"), whole("scales"),
-                                                         shape=whole("shape") if "shape" in parts else None)
+                w = self.int4_parts(name).decode()
             return w[index].astype(dtype)
         # MXFP4 [..., D, R]: one leading index (an expert) at a time, only the 32-value
         # groups that cover the D range (the float32 decode of a whole layer's experts
@@ -298,7 +350,7 @@ def checkpoint_tensors(arch: ModelArchConfig,
     param that reads it (several for a fused tensor)."""
     stored = checkpoint_arch(arch)
     out: dict[str, list] = {}
-    for param, w in model_cls.weight_map(stored).items():
+    for param, w in checkpoint_weight_map(model_cls, stored).items():
         want = w.shape(stored)[len(w.stacked):]
         want = tuple(want[::-1] if w.transpose else want)
         if w.fused_rows is not None:  # the output axis: first when transposed, else last
@@ -333,7 +385,10 @@ def check_checkpoint_names(ckpt: SafetensorsCheckpoint, arch: ModelArchConfig, m
             raise ValueError(f"{ckpt.model_dir}: tensor {name!r} has shape {ckpt.tensors[name].shape}; "
                              f"config.json implies {want}")
         used.add(name)
-    unused = sorted(n for n in ckpt.tensors if n not in used and not ignored.fullmatch(n))
+    # An int4 projection's float view and its parts (add_int4_views) are one tensor: either read uses it.
+    used_bases = {n.split("#")[0] for n in used}
+    unused = sorted(n for n in ckpt.tensors
+                    if n not in used and n.split("#")[0] not in used_bases and not ignored.fullmatch(n))
     if unused:
         raise ValueError(f"{ckpt.model_dir}: {len(unused)} checkpoint tensor(s) that {arch.architecture} as "
                          f"configured does not use, e.g. {unused[:3]}; this model variant is not supported")
@@ -341,7 +396,8 @@ def check_checkpoint_names(ckpt: SafetensorsCheckpoint, arch: ModelArchConfig, m
 
 def stream_safetensors(model_dir: str | Path, arch: ModelArchConfig, model_cls, mesh: Mesh, dtype, *,
                        progress: bool = True, transform=None, param_dtypes: dict | None = None,
-                       extra_ignored: tuple[str, ...] = ()) -> dict[str, jax.Array]:
+                       extra_ignored: tuple[str, ...] = (), ckpt: SafetensorsCheckpoint | None = None
+                       ) -> dict[str, jax.Array]:
     """{our name: jax.Array} for every entry of ``model_cls.weight_map(arch)``, ``arch``
     being the effective (tensor-parallel) architecture: each in ``dtype``, shaped as
     served and placed with the partitioning its Weight declares. ``transform(name,
@@ -349,11 +405,11 @@ def stream_safetensors(model_dir: str | Path, arch: ModelArchConfig, model_cls, 
     placed, so only one param is ever held in ``dtype`` beside the transformed ones.
     ``param_dtypes``: params read in another dtype (pre-quantized int8 / fp8 weights);
     ``extra_ignored``: regexes of more tensors that may stay unread (their scales, read
-    by the transform)."""
-    ckpt = SafetensorsCheckpoint(model_dir)
+    by the transform); ``ckpt``: the folder's reader when the caller made it (int4 views)."""
+    ckpt = ckpt or SafetensorsCheckpoint(model_dir)
     check_checkpoint_names(ckpt, arch, model_cls, extra_ignored)
     param_dtypes = param_dtypes or {}
-    weight_map = model_cls.weight_map(arch)
+    weight_map = checkpoint_weight_map(model_cls, arch)
     total = sum(arch.num_hidden_layers if w.per_layer else 1 for w in weight_map.values())
     params = {}
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:

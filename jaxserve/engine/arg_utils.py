@@ -61,9 +61,9 @@ def _attention_backends() -> tuple[str, ...]:
 
 
 def _quantization_methods() -> tuple[str, ...]:
-    from models.quantization import QUANTIZATION_METHODS
+    from models.quantization import INT4_METHODS, QUANTIZATION_METHODS
 
-    return QUANTIZATION_METHODS
+    return QUANTIZATION_METHODS + INT4_METHODS
 
 
 def _reasoning_parsers() -> tuple[str, ...]:
@@ -93,8 +93,10 @@ class EngineArgs:
         "(auto: --dtype's, except under --dtype auto on a CPU with AMX / AVX512-BF16: bfloat16 weights, "
         "float32 activations and KV cache).", choices=DTYPES))
     quantization: str | None = field(default=ModelConfig.quantization, metadata=_arg(
-        "Weight-only quantization at load: int8 (per-channel symmetric; projections only, the embedding, "
-        "lm_head, norms and MoE router stay in --dtype).", choices=_quantization_methods, flags=("-q",)))
+        "Weight-only quantization at load: int8 / fp8 (per-channel symmetric; projections only, the embedding, "
+        "lm_head, norms and MoE router stay in --dtype); or awq / gptq / compressed-tensors, the int4 "
+        "checkpoint's own format: its weights kept in int4 and dequantized inside each product (the "
+        "default on TPU / GPU; on CPU an int4 checkpoint is otherwise decoded to floats at load).", choices=_quantization_methods, flags=("-q",)))
     max_model_len: int | None = field(default=None, metadata=_arg(
         f"Context length (default: the model's, at most {DEFAULT_MAX_MODEL_LEN})."))
     seed: int = field(default=ModelConfig.seed, metadata=_arg("Seed for unseeded sampling."))

@@ -125,6 +125,10 @@ class WeightUpdater:
         """Replace the params ``weights`` gives (see the module docstring); returns
         {"version", "num_params", "seconds", "source"}."""
         t0 = time.perf_counter()
+        if self.runner.arch.quantization == "int4":
+            raise ValueError("update_weights: the model is served with its int4 checkpoint's weights kept as int4 "
+                             "(--quantization awq / gptq / compressed-tensors), which an update cannot replace; "
+                             "serve a float checkpoint to update its weights")
         kind = weights_kind(weights)
         source = str(weights) if kind == "folder" else None
         read = {"folder": lambda: self._from_folder(Path(weights)), "pytree": lambda: self._from_pytree(weights),

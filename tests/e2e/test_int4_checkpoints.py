@@ -45,7 +45,7 @@ def test_decoders_follow_the_formats():
         return sum(v[..., order[i]].astype(np.int64) << (4 * i) for i in range(8)).astype(np.uint32).view(np.int32)
 
     # AutoAWQ GEMM: columns packed 8 per word in the order 0 2 4 6 1 3 5 7 (its reverse: 0 4 1 5 2 6 3 7).
-    awq = pf.decode_awq(words(q, (0, 2, 4, 6, 1, 3, 5, 7)), words(z, (0, 2, 4, 6, 1, 3, 5, 7)), s, g)
+    awq = pf.decode_awq(words(q, (0, 2, 4, 6, 1, 3, 5, 7)), words(z, (0, 2, 4, 6, 1, 3, 5, 7)), s)
     np.testing.assert_allclose(awq, want, rtol=1e-6)
     # GPTQ v1: rows packed 8 per word in order; zeros packed along out, stored minus one.
     qweight = words(q.T, tuple(range(8))).T
@@ -96,3 +96,72 @@ def test_fp8_block_layout_follows_the_format():
     np.testing.assert_array_equal(decode_fp8_block(parts["weight"], s, (16, 32)), want)
     np.testing.assert_array_equal(values, want)
     assert np.all(np.abs(values - w) <= 2 ** -3 * np.abs(w) + 1e-6 * np.abs(w).max())
+
+
+_NAMES = {"awq": "awq", "gptq": "gptq", "w4a16": "compressed-tensors"}
+
+
+def _served_params(llm) -> dict:
+    from flax import nnx
+
+    state = llm.llm_engine.model_runner.state
+    return {"/".join(map(str, path)): v.get_value() for path, v in nnx.to_flat_state(state)
+            if isinstance(v, nnx.Param)}
+
+
+@pytest.mark.parametrize("fmt", list(INT4_FORMATS))
+def test_int4_weights_kept_as_int4_give_the_dequantized_models_tokens(tiny_models, tmp_path, fmt):
+    """--quantization naming the checkpoint's format keeps its projections as uint4 codes
+    with float32 group scales and zeros (TPU / GPU's default), dequantized inside each
+    product: HF's tokens and logprobs on the same rounded weights."""
+    src = tiny_models("llama", kv_heads=2)
+    write_int4_checkpoint(src, fmt, tmp_path / "float", tmp_path / fmt)
+    llm = make_llm(tmp_path / fmt, quantization=_NAMES[fmt])
+    params = _served_params(llm)
+    q = next(v for k, v in params.items() if k.endswith("q_proj"))
+    assert str(q.dtype) == "uint4" and q.shape[-2:] == (64, 64)
+    scale = next(v for k, v in params.items() if k.endswith("q_proj_scale"))
+    assert scale.dtype == np.float32 and scale.shape[-2:] == (2, 64)  # groups of 32 input rows
+    assert any(k.endswith("q_proj_gidx") for k in params) == (fmt == "gptq")  # act-order
+    check_greedy(tmp_path / "float", llm, prompts(21, [7, 30]))
+    check_prompt_logprobs(tmp_path / "float", llm, prompts(22, [25])[0])
+    with pytest.raises(ValueError, match="int4"):
+        llm.update_weights(tmp_path / "float")
+
+
+@pytest.mark.devices(2)
+@pytest.mark.parametrize("fmt", ["w4a16", "gptq"])
+def test_int4_weights_kept_as_int4_tensor_parallel(tiny_models, tmp_path, fmt):
+    """Each device holds its rows' whole groups (o_proj / down_proj split by input rows)
+    or, under act-order, every group's scales."""
+    src = tiny_models("llama", kv_heads=2)
+    write_int4_checkpoint(src, fmt, tmp_path / "float", tmp_path / fmt)
+    llm = make_llm(tmp_path / fmt, quantization=_NAMES[fmt], tensor_parallel_size=2)
+    check_greedy(tmp_path / "float", llm, prompts(23, [12, 40]))
+
+
+def test_int4_weight_stays_int4_in_the_program():
+    """The step's parameter is the uint4 array: the float weight exists only inside the
+    product's computation."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.quantization import linear
+
+    codes = jnp.asarray(np.random.default_rng(0).integers(0, 16, (96, 160)), jnp.uint4)
+    scale, zero = jnp.ones((3, 160), jnp.float32), jnp.full((3, 160), 8.0, jnp.float32)
+    f = jax.jit(lambda x, c, s, z: linear(x, {"w": c, "w_scale": s, "w_zero": z}, "w"))
+    x = jnp.ones((8, 96))
+    hlo = f.lower(x, codes, scale, zero).compile().as_text()
+    assert "u4[96,160]" in hlo[hlo.index("ENTRY"):].splitlines()[0]
+    want = x @ ((np.asarray(codes, np.float32) - 8.0))
+    np.testing.assert_allclose(f(x, codes, scale, zero), want, rtol=1e-6)
+
+
+def test_int4_format_name_must_match_the_checkpoint(tiny_models, tmp_path):
+    src = tiny_models("llama", kv_heads=2)
+    with pytest.raises(ValueError, match="names an int4 checkpoint format, but the checkpoint is not packed int4"):
+        make_llm(src, quantization="awq")
+    write_int4_checkpoint(src, "gptq", tmp_path / "float", tmp_path / "gptq")
+    with pytest.raises(ValueError, match="the checkpoint is gptq"):
+        make_llm(tmp_path / "gptq", quantization="awq")
