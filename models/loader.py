@@ -79,8 +79,8 @@ def _keeps_int4(packed: str | None, quantization: str | None, platform: str) -> 
     """Whether an int4 checkpoint (AWQ, GPTQ, pack-quantized) is served with its weights
     kept as int4 (models/quantization.py: dequantized inside each product): always on TPU
     / GPU, on CPU when ``quantization`` names its format (vLLM's --quantization awq /
-    gptq / compressed-tensors); otherwise the CPU decodes it to floats at load, its
-    fastest (benchmarks/bench_quantization.py). ValueError for a format name that is
+    gptq / compressed-tensors); otherwise the CPU decodes it to floats at load (as fast
+    there, measured by benchmarks/bench_quantization.py, with no dequantization per step). ValueError for a format name that is
     not the checkpoint's."""
     if quantization in INT4_METHODS:
         if packed not in packed_formats.INT4_FORMATS or packed_formats.INT4_QUANTIZATION[packed] != quantization:
@@ -92,7 +92,7 @@ def _keeps_int4(packed: str | None, quantization: str | None, platform: str) -> 
 
 def _read_int4(model_path, arch, model_cls, *, mesh, dtype, progress, param_dtype=None):
     """(arch, params) of an int4 checkpoint served as int4: each projection the checkpoint
-    holds in int4 is read as its codes (uint4), scales, zeros (float32) and, under
+    holds in int4 is read as its codes (uint4; uint8 on CPU), scales, zeros (float32) and, under
     act-order, each input row's group (``quantization.int4_weights``); the rest as
     floats."""
     ckpt = SafetensorsCheckpoint(model_path)
@@ -117,9 +117,23 @@ def _read_int4(model_path, arch, model_cls, *, mesh, dtype, progress, param_dtyp
                 ", act-order" if act_order else "")
     dtypes = _narrow_dtypes(wm, dtype, param_dtype, quantized=True)
     for n in names:
-        dtypes |= {n: jnp.uint4, n + SCALE: jnp.float32, n + ZERO: jnp.float32, n + GIDX: jnp.int32}
+        dtypes |= {n: jnp.uint8, n + SCALE: jnp.float32, n + ZERO: jnp.float32, n + GIDX: jnp.int32}
+    # The codes are read as uint8 and narrowed to uint4 on TPU / GPU, on the devices: a
+    # uint4 array made from host buffers has one code per byte, not the packed layout the
+    # compiled step expects. On CPU they stay uint8: XLA:CPU's runtime keeps even a jit's
+    # uint4 output one code per byte while its ahead-of-time compiled step asks for packed
+    # codes (a layout mismatch at the first call), and the CPU gains nothing from packing.
+    to_uint4 = {}
+
+    def narrow(name, value):
+        if name not in names or jax.default_backend() == "cpu":
+            return {name: value}
+        if value.sharding not in to_uint4:
+            to_uint4[value.sharding] = jax.jit(lambda a: a.astype(jnp.uint4), out_shardings=value.sharding)
+        return {name: to_uint4[value.sharding](value)}
+
     params = stream_safetensors(model_path, arch, model_cls, mesh, dtype, progress=progress, param_dtypes=dtypes,
-                                extra_ignored=(KV_SCALE_TENSORS,), ckpt=ckpt)
+                                extra_ignored=(KV_SCALE_TENSORS,), ckpt=ckpt, transform=narrow)
     return arch, params
 
 
