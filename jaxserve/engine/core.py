@@ -31,7 +31,6 @@ from jaxserve.engine.fault_injection import FaultInjector
 from jaxserve.outputs import EngineCoreOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.runner.weight_update import check_sleep_level
 from jaxserve.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("jaxserve")
@@ -180,7 +179,7 @@ class EngineCore:
         """Free the KV cache (level 1) and the weights too (level 2) with no request
         running; new requests wait until wake_up(). Returns the bytes freed."""
         self._require_idle("sleep")
-        check_sleep_level(level)  # before the followers are told
+        self.model_runner.check_sleep(level)  # before the followers are told
         self._replay("sleep", level)
         freed = self.model_runner.sleep(level)
         self._reset_prefix_caches()  # the cached blocks' KV is gone

@@ -212,10 +212,18 @@ class ModelRunner:
         return {"weights": self.weights.total_bytes(),
                 "kv_cache": sum(device_bytes(c) for c in kv if c is not None)}
 
+    def check_sleep(self, level) -> None:
+        """ValueError for a sleep this runner cannot come back from."""
+        check_sleep_level(level)
+        if level == 2 and self.arch.quantization == "int4":
+            # Waking reads the folder as floats (runner/weight_update.py), not as int4 parts.
+            raise ValueError("sleep level 2: the model's int4 weights are kept as int4 (--quantization awq / gptq / "
+                             "compressed-tensors), which wake_up cannot reload; use level 1")
+
     def sleep(self, level: int = 1) -> dict:
         """Free the KV cache (level 1) and the weights too (level 2); the caller makes
         sure no request holds KV. Returns the bytes freed {"weights", "kv_cache"}."""
-        check_sleep_level(level)
+        self.check_sleep(level)
         freed = {"weights": 0, "kv_cache": 0}
         if self.kv_cache is not None:
             freed["kv_cache"] = self.memory_usage()["kv_cache"]

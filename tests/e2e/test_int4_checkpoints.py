@@ -128,6 +128,8 @@ def test_int4_weights_kept_as_int4_give_the_dequantized_models_tokens(tiny_model
     check_prompt_logprobs(tmp_path / "float", llm, prompts(22, [25])[0])
     with pytest.raises(ValueError, match="int4"):
         llm.update_weights(tmp_path / "float")
+    with pytest.raises(ValueError, match="sleep level 2"):
+        llm.sleep(level=2)
 
 
 @pytest.mark.devices(2)
