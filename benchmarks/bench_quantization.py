@@ -107,12 +107,12 @@ def main() -> None:
         fmt = quant[:-len("-int4")] if quant and quant.endswith("-int4") else quant
         if fmt in INT4_FORMATS:  # a checkpoint format: write the model in it, serve that folder
             from models.default_model import default_model_dir
-            from models.packed_formats import write_int4_folder
+            from models.packed_formats import quantization_name, write_int4_folder
 
             folder = Path(tempfile.mkdtemp(prefix=f"jaxserve-{fmt}-"))
             write_int4_folder(engine_args.model or default_model_dir(), folder, fmt, args.group_size)
             # "<fmt>-int4": the weights kept as int4 (TPU / GPU's way); "<fmt>": decoded at load.
-            keep = {"awq": "awq", "gptq": "gptq", "w4a16": "compressed-tensors"}[fmt] if fmt != quant else None
+            keep = quantization_name(fmt) if fmt != quant else None
             overrides, quant = dict(model=str(folder)), keep
         t0 = time.perf_counter()
         llm = LLM(**engine_kwargs(engine_args, dtype=dtype, quantization=quant, weight_dtype=weight_dtype,

@@ -13,10 +13,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from models import packed_formats
-from models.base import MODEL
+from models.base import MODEL, dim_size
 from models.checkpoint import is_orbax_checkpoint, restore_orbax
 from models.config import ModelArchConfig
-from models.base import dim_size
 from models.quantization import (GIDX, INT4_METHODS, KV_SCALE_TENSORS, SCALE, ZERO, check_quantization,
                                  checkpoint_transform, int4_candidates, matmul_weight_names, quantized_names,
                                  quantizer, read_checkpoint_quantization, read_kv_cache_scales)
@@ -80,8 +79,8 @@ def _keeps_int4(packed: str | None, quantization: str | None, platform: str) -> 
     kept as int4 (models/quantization.py: dequantized inside each product): always on TPU
     / GPU, on CPU when ``quantization`` names its format (vLLM's --quantization awq /
     gptq / compressed-tensors); otherwise the CPU decodes it to floats at load (as fast
-    there, measured by benchmarks/bench_quantization.py, with no dequantization per step). ValueError for a format name that is
-    not the checkpoint's."""
+    there, measured by benchmarks/bench_quantization.py, with no dequantization per
+    step). ValueError for a format name that is not the checkpoint's."""
     if quantization in INT4_METHODS:
         if packed not in packed_formats.INT4_FORMATS or packed_formats.INT4_QUANTIZATION[packed] != quantization:
             raise ValueError(f"quantization={quantization!r} names an int4 checkpoint format, but the checkpoint is "
@@ -99,10 +98,12 @@ def _read_int4(model_path, arch, model_cls, *, mesh, dtype, progress, param_dtyp
     group, act_order = ckpt.int4_layout()
     ckpt.add_int4_views(act_order)
     arch = dataclasses.replace(arch, quantization="int4", int4_group_size=group, int4_act_order=act_order)
-    wm, stored_wm = model_cls.weight_map(arch), model_cls.weight_map(checkpoint_arch(arch))
-    int4 = lambda n: all(t + "#codes" in ckpt.tensors for _, t in stored_wm[n].tensor_names(checkpoint_arch(arch)))
-    names = tuple(n for n in int4_candidates(wm) if int4(n))
-    experts = [n for n, w in wm.items() if "e" in w.stacked and w.per_layer and len(w.dims) >= 4 and int4(n)]
+    stored = checkpoint_arch(arch)
+    wm, stored_wm = model_cls.weight_map(arch), model_cls.weight_map(stored)
+    int4 = lambda n: all(t + "#codes" in ckpt.tensors for _, t in stored_wm[n].tensor_names(stored))
+    candidates = int4_candidates(wm)
+    names = tuple(n for n in candidates if int4(n))
+    experts = [n for n in quantized_names(wm) if n not in candidates and int4(n)]
     if experts and jax.default_backend() != "cpu":
         raise ValueError(f"{model_path}: int4 MoE experts ({', '.join(experts)}) are served on CPU only for now "
                          "(decoded to floats at load)")
@@ -126,14 +127,15 @@ def _read_int4(model_path, arch, model_cls, *, mesh, dtype, progress, param_dtyp
     to_uint4 = {}
 
     def narrow(name, value):
-        if name not in names or jax.default_backend() == "cpu":
+        if name not in names:
             return {name: value}
         if value.sharding not in to_uint4:
             to_uint4[value.sharding] = jax.jit(lambda a: a.astype(jnp.uint4), out_shardings=value.sharding)
         return {name: to_uint4[value.sharding](value)}
 
     params = stream_safetensors(model_path, arch, model_cls, mesh, dtype, progress=progress, param_dtypes=dtypes,
-                                extra_ignored=(KV_SCALE_TENSORS,), ckpt=ckpt, transform=narrow)
+                                extra_ignored=(KV_SCALE_TENSORS,), ckpt=ckpt,
+                                transform=None if jax.default_backend() == "cpu" else narrow)
     return arch, params
 
 

@@ -158,8 +158,7 @@ class Int4Parts:
 
     def groups(self) -> np.ndarray:
         """Each input column's group, int64 [in]."""
-        n_in, n_groups = self.codes.shape[1], self.scales.shape[1]
-        return (np.arange(n_in) // (n_in // n_groups) if self.g_idx is None else np.asarray(self.g_idx, np.int64))
+        return row_groups(self.g_idx, self.codes.shape[1], self.scales.shape[1])
 
     def decode(self) -> np.ndarray:
         """float32 [out, in]."""
@@ -167,52 +166,69 @@ class Int4Parts:
         return (self.codes.astype(np.float32) - self.zeros[:, g]) * self.scales[:, g]
 
 
-def awq_parts(qweight, qzeros, scales) -> Int4Parts:
-    """AutoAWQ GEMM tensors -> Int4Parts (consecutive groups)."""
-    q = unpack_int4(qweight, axis=1, order=_AWQ_ORDER)  # [in, out]
+def row_groups(g_idx, n_in: int, n_groups: int) -> np.ndarray:
+    """Each of ``n_in`` input rows' group, int64 [in]: ``g_idx`` (act-order), or for None
+    consecutive blocks of n_in / n_groups rows."""
+    return np.arange(n_in) // (n_in // n_groups) if g_idx is None else np.asarray(g_idx, np.int64)
+
+
+def in_order(g_idx, n_groups: int) -> bool:
+    """Whether GPTQ's ``g_idx`` [in] is consecutive blocks of in / n_groups rows (no act-order)."""
+    return bool(np.array_equal(np.asarray(g_idx), row_groups(None, len(g_idx), n_groups)))
+
+
+# Each format in two halves: its codes (the bulk: unpacked only where the codes are wanted)
+# and its groups' (zeros [out, G], scales [out, G], g_idx [in] or None).
+def awq_codes(qweight) -> np.ndarray:
+    return np.ascontiguousarray(unpack_int4(qweight, axis=1, order=_AWQ_ORDER).T)  # [in, out] -> [out, in]
+
+
+def awq_groups(qzeros, scales):
     z = unpack_int4(qzeros, axis=1, order=_AWQ_ORDER).astype(np.float32)  # [in / g, out]
-    return Int4Parts(np.ascontiguousarray(q.T), np.ascontiguousarray(z.T), np.ascontiguousarray(
-        np.asarray(scales, np.float32).T))
+    return np.ascontiguousarray(z.T), np.ascontiguousarray(np.asarray(scales, np.float32).T), None
 
 
-def gptq_parts(qweight, qzeros, scales, g_idx, zero_offset: int) -> Int4Parts:
-    """GPTQ tensors -> Int4Parts; ``zero_offset`` 1 for the v1 format (zeros stored minus
-    one). ``g_idx`` None or in order (no act-order) gives consecutive groups."""
-    q = unpack_int4(qweight, axis=0)  # [in, out]
+def gptq_codes(qweight) -> np.ndarray:
+    return np.ascontiguousarray(unpack_int4(qweight, axis=0).T)  # packed along in
+
+
+def gptq_groups(qzeros, scales, g_idx, zero_offset: int):
+    """``zero_offset`` 1 for the v1 format (zeros stored minus one); ``g_idx`` None or in
+    order (no act-order) gives consecutive groups."""
     z = unpack_int4(qzeros, axis=1).astype(np.float32) + zero_offset  # [groups, out]
     # (v1 zeros wrap: a stored 0xF for zero 0 reads 16 minus one; the + 1 is mod 16.)
     z = np.where(z > 15, z - 16, z) if zero_offset else z
-    n_in, n_groups = q.shape[0], z.shape[0]
-    if g_idx is not None and np.array_equal(np.asarray(g_idx), np.arange(n_in) // (n_in // n_groups)):
+    if g_idx is not None and in_order(g_idx, z.shape[0]):
         g_idx = None
-    return Int4Parts(np.ascontiguousarray(q.T), np.ascontiguousarray(z.T),
-                     np.ascontiguousarray(np.asarray(scales, np.float32).T),
-                     None if g_idx is None else np.asarray(g_idx, np.int32))
+    return (np.ascontiguousarray(z.T), np.ascontiguousarray(np.asarray(scales, np.float32).T),
+            None if g_idx is None else np.asarray(g_idx, np.int32))
 
 
-def pack_quantized_parts(packed, scale, shape=None) -> Int4Parts:
-    """compressed-tensors pack-quantized (symmetric) -> Int4Parts: signed int4 values in
-    [-8, 7] stored offset by 8 (the zero point), one scale per group of in (or per row)."""
+def pack_quantized_codes(packed, shape=None) -> np.ndarray:
+    """Signed int4 values in [-8, 7] stored offset by 8 (the zero point)."""
     q = unpack_int4(packed, axis=1)  # [out, in (padded to 8)]
-    if shape is not None:
-        q = q[:, :int(shape[1])]
+    return np.ascontiguousarray(q if shape is None else q[:, :int(shape[1])])
+
+
+def pack_quantized_groups(scale):
+    """Symmetric: one scale per group of in (or per row), the zero point 8."""
     s = np.asarray(scale, np.float32)
-    return Int4Parts(np.ascontiguousarray(q), np.full(s.shape, 8.0, np.float32), s)
+    return np.full(s.shape, 8.0, np.float32), s, None
 
 
 def decode_awq(qweight, qzeros, scales) -> np.ndarray:
     """AWQ -> float32 [out, in] (HF Linear layout)."""
-    return awq_parts(qweight, qzeros, scales).decode()
+    return Int4Parts(awq_codes(qweight), *awq_groups(qzeros, scales)).decode()
 
 
 def decode_gptq(qweight, qzeros, scales, g_idx, zero_offset: int) -> np.ndarray:
     """GPTQ -> float32 [out, in]."""
-    return gptq_parts(qweight, qzeros, scales, g_idx, zero_offset).decode()
+    return Int4Parts(gptq_codes(qweight), *gptq_groups(qzeros, scales, g_idx, zero_offset)).decode()
 
 
 def decode_pack_quantized(packed, scale, shape=None) -> np.ndarray:
     """compressed-tensors pack-quantized -> float32 [out, in]."""
-    return pack_quantized_parts(packed, scale, shape).decode()
+    return Int4Parts(pack_quantized_codes(packed, shape), *pack_quantized_groups(scale)).decode()
 
 
 # ---------------------------------------------------------------- reference packers
@@ -319,6 +335,12 @@ def int4_quantization_config(fmt: str, group_size: int) -> dict:
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [group_size, group_size]}
     raise ValueError(f"packed format {fmt!r}: expected awq, gptq, w4a16 or fp8-block")
+
+
+def quantization_name(fmt: str) -> str:
+    """The --quantization value that keeps a ``write_int4_folder`` format (awq, gptq,
+    w4a16) as int4."""
+    return INT4_QUANTIZATION[packed_method(int4_quantization_config(fmt, 32))]
 
 
 def write_int4_folder(src, dst, fmt: str, group_size: int = 128, float_dst=None) -> None:

@@ -76,12 +76,12 @@ def scale_weight(w: Weight) -> Weight:
 def int4_candidates(weight_map: dict[str, Weight]) -> list[str]:
     """The params an int4 checkpoint's projections may be served as int4: the per-layer
     projections int8 takes, less the experts (their products are models/moe.py's)."""
-    return [n for n in quantized_names(weight_map) if "e" not in weight_map[n].stacked]
+    return [n for n in quantized_names(weight_map) if n not in _EXPERTS]
 
 
 def int4_weights(w: Weight, arch: ModelArchConfig) -> dict[str, Weight]:
     """The params an int4 projection ``w`` [..., in, out] is served as, by suffix: its
-    codes ("", uint4, the same layout), ``SCALE`` and ``ZERO`` (float32 [..., G, out]) and,
+    codes ("", uint4 (uint8 on CPU), the same layout), ``SCALE`` and ``ZERO`` (float32 [..., G, out]) and,
     under act-order, ``GIDX`` (int32 [..., in]), each read from the checkpoint's int4 views
     (models/weights.py: add_int4_views). The groups are split like the ``in`` axis
     where each device holds whole groups of its rows; else (one group, act-order) whole."""
@@ -90,11 +90,10 @@ def int4_weights(w: Weight, arch: ModelArchConfig) -> dict[str, Weight]:
     g = arch.int4_group_size
     group_dim = f"{d_in}//{g}" if g else "1"
     p_group = p_in if g and not arch.int4_act_order else None
+    groups = dataclasses.replace(w, dims=(*lead, group_dim, d_out), sharding=(*lead_part, p_group, p_out))
     out = {"": dataclasses.replace(w, hf_name=w.hf_name + "#codes"),
-           SCALE: dataclasses.replace(w, hf_name=w.hf_name + "#scales", dims=(*lead, group_dim, d_out),
-                                      sharding=(*lead_part, p_group, p_out)),
-           ZERO: dataclasses.replace(w, hf_name=w.hf_name + "#zeros", dims=(*lead, group_dim, d_out),
-                                     sharding=(*lead_part, p_group, p_out))}
+           SCALE: dataclasses.replace(groups, hf_name=w.hf_name + "#scales"),
+           ZERO: dataclasses.replace(groups, hf_name=w.hf_name + "#zeros")}
     if arch.int4_act_order:
         out[GIDX] = Weight(w.hf_name + "#gidx", (*lead, d_in), (*lead_part, p_in), layer_offset=w.layer_offset)
     return out
@@ -129,11 +128,12 @@ def check_quantization(method: str | None) -> None:
 
 
 def dequantize_int4(codes, scale, zero, gidx, dtype):
-    """An int4 weight's values in ``dtype``: codes uint4 [in, out], scale and zero float32
+    """An int4 weight's values in ``dtype``: codes uint4 / uint8 [in, out], scale and zero float32
     [G, out], gidx None (groups of in / G consecutive rows) or int32 [in] (each row's
     group) -> [in, out] = (codes - zero) * scale, computed in float32 as the checkpoint
     reader decodes it (the same values as the float view). Inside the step's jit, XLA
-    fuses this into the dot's operand on TPU / GPU: the weights stay int4 in memory."""
+    can fuse this into the dot's operand on TPU / GPU (not measured on hardware yet),
+    and the weights stay int4 in memory either way."""
     q = codes.astype(jnp.float32)
     if gidx is not None:
         w = (q - zero[gidx]) * scale[gidx]

@@ -97,7 +97,6 @@ class SafetensorsCheckpoint:
                     self.tensors[name] = TensorInfo(path, t["dtype"], tuple(t["shape"]), 8 + size + t["data_offsets"][0])
         self.packed: dict[str, tuple[str, dict[str, TensorInfo]]] = {}  # name -> (format, its parts)
         self.views: dict[str, tuple[str, str]] = {}  # add_int4_views: view name -> (float view, part)
-        self._last_parts = None
         config = self.model_dir / "config.json"
         qc = json.loads(config.read_text()).get("quantization_config") if config.exists() else None
         self._find_packed(packed_formats.packed_method(qc), qc or {})
@@ -144,7 +143,7 @@ class SafetensorsCheckpoint:
                     parts["shape"] = base + ".weight_shape"
                 rows, cols = self.tensors[name].shape
                 take(method, base + ".weight", parts, "F32", (rows, cols * 8))
-        self.packed_options = dict(group_size=qc.get("group_size", 128), block=qc.get("weight_block_size"),
+        self.packed_options = dict(block=qc.get("weight_block_size"),
                                    zero_offset=0 if qc.get("checkpoint_format") == "gptq_v2" else 1)
 
     def dtype(self, name: str) -> np.dtype:
@@ -159,46 +158,53 @@ class SafetensorsCheckpoint:
         scratch buffer of whole rows."""
         self.dtype(name)  # a clear error for a dtype no param may have
         if name in self.views:
-            base, view = self.views[name]
-            parts = self.int4_parts(base)
-            return (parts.groups().astype(np.int32) if view == "gidx" else getattr(parts, view))[index]
+            return self._read_int4_view(*self.views[name])[index]
         if name in self.packed:
             return self._read_packed(name, index)
         return self._read(self.tensors[name], index)
 
-    def int4_parts(self, name: str) -> packed_formats.Int4Parts:
-        """The unpacked parts of an int4 projection ``name`` (its float view's name: AWQ,
-        GPTQ or pack-quantized), read whole; the last one is kept (its views are read in turn)."""
-        if self._last_parts is not None and self._last_parts[0] == name:
-            return self._last_parts[1]
+    def _whole(self, name: str, part: str) -> np.ndarray:
+        """The whole stored tensor ``part`` of packed tensor ``name``."""
+        info = self.packed[name][1][part]
+        return self._read(info, tuple(slice(None) for _ in info.shape))
+
+    def _int4_codes(self, name: str) -> np.ndarray:
+        """uint8 [out, in]: the codes of int4 projection ``name`` (its float view's name)."""
         fmt, parts = self.packed[name]
-        whole = lambda part: self._read(parts[part], tuple(slice(None) for _ in parts[part].shape))
         if fmt == "awq":
-            out = packed_formats.awq_parts(whole("main"), whole("zeros"), whole("scales"))
-        elif fmt == "gptq":
-            out = packed_formats.gptq_parts(whole("main"), whole("zeros"), whole("scales"),
-                                            whole("g_idx") if "g_idx" in parts else None,
-                                            self.packed_options["zero_offset"])
-        else:
-            out = packed_formats.pack_quantized_parts(whole("main"), whole("scales"),
-                                                      shape=whole("shape") if "shape" in parts else None)
-        self._last_parts = (name, out)
-        return out
+            return packed_formats.awq_codes(self._whole(name, "main"))
+        if fmt == "gptq":
+            return packed_formats.gptq_codes(self._whole(name, "main"))
+        return packed_formats.pack_quantized_codes(self._whole(name, "main"),
+                                                   self._whole(name, "shape") if "shape" in parts else None)
+
+    def _int4_groups(self, name: str):
+        """(zeros [out, G], scales [out, G], g_idx [in] or None) of int4 projection ``name``:
+        its small tensors only."""
+        fmt, parts = self.packed[name]
+        if fmt == "awq":
+            return packed_formats.awq_groups(self._whole(name, "zeros"), self._whole(name, "scales"))
+        if fmt == "gptq":
+            return packed_formats.gptq_groups(self._whole(name, "zeros"), self._whole(name, "scales"),
+                                              self._whole(name, "g_idx") if "g_idx" in parts else None,
+                                              self.packed_options["zero_offset"])
+        return packed_formats.pack_quantized_groups(self._whole(name, "scales"))
+
+    def _int4_projections(self):
+        """(float view name, group count G) of each int4 projection, from the headers."""
+        for name, (fmt, parts) in self.packed.items():
+            if fmt in packed_formats.INT4_FORMATS:
+                yield name, parts["scales"].shape[1 if fmt == packed_formats.PACK_QUANTIZED else 0]
 
     def int4_layout(self) -> tuple[int, bool]:
         """(group size, act-order) shared by the checkpoint's int4 projections: the group
         size 0 for one scale per output row (channel), act-order when some GPTQ tensor's
         groups are out of order. ValueError when projections disagree on the group size."""
         sizes, act_order = set(), False
-        for name, (fmt, parts) in self.packed.items():
-            if fmt not in packed_formats.INT4_FORMATS:
-                continue
-            n_in = self.tensors[name].shape[1]
-            groups = parts["scales"].shape[1 if fmt == packed_formats.PACK_QUANTIZED else 0]
-            sizes.add(0 if groups == 1 else n_in // groups)
-            if "g_idx" in parts:
-                g_idx = self._read(parts["g_idx"], (slice(None),))
-                act_order |= not np.array_equal(g_idx, np.arange(n_in) // (n_in // groups))
+        for name, groups in self._int4_projections():
+            sizes.add(0 if groups == 1 else self.tensors[name].shape[1] // groups)
+            parts = self.packed[name][1]
+            act_order |= "g_idx" in parts and not packed_formats.in_order(self._whole(name, "g_idx"), groups)
         if len(sizes) > 1:
             raise ValueError(f"{self.model_dir}: the int4 projections have different group sizes {sorted(sizes)}")
         return (sizes.pop() if sizes else 0), act_order
@@ -208,12 +214,9 @@ class SafetensorsCheckpoint:
         their own, for a model served with the weights kept in int4
         (models/quantization.py): ``X.weight#codes`` (uint8 [out, in]), ``#zeros`` and
         ``#scales`` (float32 [out, G]) and, with ``act_order``, ``#gidx`` (int32 [in],
-        each input row's group)."""
-        for name, (fmt, parts) in list(self.packed.items()):
-            if fmt not in packed_formats.INT4_FORMATS:
-                continue
+        each input row's group). Each view reads only its own stored tensors."""
+        for name, groups in list(self._int4_projections()):
             out, n_in = self.tensors[name].shape
-            groups = parts["scales"].shape[1 if fmt == packed_formats.PACK_QUANTIZED else 0]
             views = {"codes": ("U8", (out, n_in)), "zeros": ("F32", (out, groups)), "scales": ("F32", (out, groups))}
             if act_order:
                 views["gidx"] = ("I32", (n_in,))
@@ -221,17 +224,25 @@ class SafetensorsCheckpoint:
                 self.tensors[f"{name}#{view}"] = TensorInfo(self.tensors[name].path, dtype, shape, -1)
                 self.views[f"{name}#{view}"] = (name, view)
 
+    def _read_int4_view(self, base: str, view: str) -> np.ndarray:
+        if view == "codes":
+            return self._int4_codes(base)
+        zeros, scales, g_idx = self._int4_groups(base)
+        if view == "gidx":
+            return packed_formats.row_groups(g_idx, self.tensors[base].shape[1], scales.shape[1]).astype(np.int32)
+        return zeros if view == "zeros" else scales
+
     def _read_packed(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """``index`` of a packed tensor, decoded (models/packed_formats.py) into its dtype."""
         fmt, parts = self.packed[name]
         info = self.tensors[name]
         dtype = np.dtype(_DTYPES[info.dtype])
-        whole = lambda part: self._read(parts[part], tuple(slice(None) for _ in parts[part].shape))
         if fmt != "mxfp4":  # one [out, in] projection: decoded whole, then cut
             if fmt == "fp8":
-                w = packed_formats.decode_fp8_block(whole("main"), whole("scales"), self.packed_options["block"])
+                w = packed_formats.decode_fp8_block(self._whole(name, "main"), self._whole(name, "scales"),
+                                                    self.packed_options["block"])
             else:
-                w = self.int4_parts(name).decode()
+                w = packed_formats.Int4Parts(self._int4_codes(name), *self._int4_groups(name)).decode()
             return w[index].astype(dtype)
         # MXFP4 [..., D, R]: one leading index (an expert) at a time, only the 32-value
         # groups that cover the D range (the float32 decode of a whole layer's experts

@@ -96,7 +96,8 @@ class EngineArgs:
         "Weight-only quantization at load: int8 / fp8 (per-channel symmetric; projections only, the embedding, "
         "lm_head, norms and MoE router stay in --dtype); or awq / gptq / compressed-tensors, the int4 "
         "checkpoint's own format: its weights kept in int4 and dequantized inside each product (the "
-        "default on TPU / GPU; on CPU an int4 checkpoint is otherwise decoded to floats at load).", choices=_quantization_methods, flags=("-q",)))
+        "default on TPU / GPU; on CPU an int4 checkpoint is otherwise decoded to floats at load).",
+        choices=_quantization_methods, flags=("-q",)))
     max_model_len: int | None = field(default=None, metadata=_arg(
         f"Context length (default: the model's, at most {DEFAULT_MAX_MODEL_LEN})."))
     seed: int = field(default=ModelConfig.seed, metadata=_arg("Seed for unseeded sampling."))

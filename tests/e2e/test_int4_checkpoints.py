@@ -98,9 +98,6 @@ def test_fp8_block_layout_follows_the_format():
     assert np.all(np.abs(values - w) <= 2 ** -3 * np.abs(w) + 1e-6 * np.abs(w).max())
 
 
-_NAMES = {"awq": "awq", "gptq": "gptq", "w4a16": "compressed-tensors"}
-
-
 def _served_params(llm) -> dict:
     from flax import nnx
 
@@ -117,7 +114,7 @@ def test_int4_weights_kept_as_int4_give_the_dequantized_models_tokens(tiny_model
     ahead-of-time compiled steps (not eager)."""
     src = tiny_models("llama", kv_heads=2)
     write_int4_checkpoint(src, fmt, tmp_path / "float", tmp_path / fmt)
-    llm = make_llm(tmp_path / fmt, quantization=_NAMES[fmt], enforce_eager=fmt != "w4a16")
+    llm = make_llm(tmp_path / fmt, quantization=pf.quantization_name(fmt), enforce_eager=fmt != "w4a16")
     params = _served_params(llm)
     q = next(v for k, v in params.items() if k.endswith("q_proj"))
     assert str(q.dtype) == "uint8" and q.shape[-2:] == (64, 64)  # one code per byte on CPU (loader._read_int4)
@@ -139,7 +136,7 @@ def test_int4_weights_kept_as_int4_tensor_parallel(tiny_models, tmp_path, fmt):
     or, under act-order, every group's scales."""
     src = tiny_models("llama", kv_heads=2)
     write_int4_checkpoint(src, fmt, tmp_path / "float", tmp_path / fmt)
-    llm = make_llm(tmp_path / fmt, quantization=_NAMES[fmt], tensor_parallel_size=2)
+    llm = make_llm(tmp_path / fmt, quantization=pf.quantization_name(fmt), tensor_parallel_size=2)
     check_greedy(tmp_path / "float", llm, prompts(23, [12, 40]))
 
 
