@@ -102,6 +102,12 @@ class ModelArchConfig:
     # whether the score is the difference of two rows (from_2_way_softmax: one label).
     score_from_token_ids: tuple[int, ...] = ()
     score_two_way: bool = False
+    # Vision-language models (models/qwen2_5_vl.py): the vision tower, the placeholder
+    # token an image's embeddings replace, and M-RoPE's split of the rotary frequencies
+    # over the (temporal, height, width) positions; () : one position per token.
+    vision: "VisionConfig | None" = None
+    image_token_id: int | None = None
+    mrope_section: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.padded_vocab_size is None:
@@ -176,6 +182,39 @@ def checkpoint_architecture(folder: Path, cfg: dict) -> str | None:
     if "embed_tokens.weight" in names and not any(n.startswith("model.") for n in names):
         return base
     return arch
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """A Qwen2.5-VL vision tower (config.json's ``vision_config``)."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int  # the language model's hidden size (the merger's output)
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    window_size: int  # pixels per side of an attention window
+    fullatt_block_indexes: tuple[int, ...]  # blocks that attend over the whole image
+    in_channels: int = 3
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """One patch's values: C * T * P * P."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def window_merged(self) -> int:
+        """An attention window's side in merged tokens."""
+        return self.window_size // self.spatial_merge_size // self.patch_size
 
 
 def attention_settings(arch: ModelArchConfig) -> dict:

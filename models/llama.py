@@ -224,8 +224,8 @@ class LlamaForCausalLM(CausalLM):
         q, k, v = q.reshape(t, N, H), k.reshape(t, K, H), v.reshape(t, K, H)
         q, k = self.norm_qk(q, k, lw)
         inv_freq = self.rope_inv_freq(layer)
-        q = apply_rope(q, positions, inv_freq, self.rope_scale)
-        k = apply_rope(k, positions, inv_freq, self.rope_scale)
+        q = apply_rope(q, positions, inv_freq, self.rope_scale, c.mrope_section)
+        k = apply_rope(k, positions, inv_freq, self.rope_scale, c.mrope_section)
         # GPT-OSS's sinks: one logit per head in each softmax (pallas_kernels/backend.py).
         sinks = {"sinks": lw["sinks"].astype(jnp.float32)} if c.attention_sinks else {}
         o, kv_cache = attention_fn(q, k, v, kv_cache, layer, md, **sinks)
@@ -241,14 +241,22 @@ class LlamaForCausalLM(CausalLM):
         h = h + attn
         return h + self.mlp(self.norm_fn(h, lw["post_attention_layernorm"]), lw), kv_cache
 
-    def __call__(self, input_ids, positions, kv_cache, md: AttentionMetadata, attention_fn: Callable, lora=None):
-        """input_ids, positions: [T] int32; kv_cache: [L, P, S, 2K, H].
+    def __call__(self, input_ids, positions, kv_cache, md: AttentionMetadata, attention_fn: Callable, lora=None,
+                 mm=None):
+        """input_ids, positions: [T] int32 (positions [3, T] under M-RoPE, Qwen2-VL);
+        kv_cache: [L, P, S, 2K, H].
         attention_fn(q, k, v, kv_cache, layer, md) -> (o [T, N, H], kv_cache).
         lora: None, or the LoRA adapters of the step (models/lora.py): (buffers
         {projection: (a [L, in, S*R], b [L, S*R, out])}, mask [T, S*R], on: bool scalar).
+        mm: None, or the images' embeddings that replace their placeholder tokens'
+        (the runner's encoder-output buffer [E, D], and each token's row of it [T], -1
+        for a text token).
         Returns (hidden [T, D] after the final norm, kv_cache)."""
         c = self.config
         h = self.embed(input_ids)
+        if mm is not None:
+            embeds, rows = mm
+            h = jnp.where((rows >= 0)[:, None], embeds[jnp.maximum(rows, 0)].astype(h.dtype), h)
         names = [n for n, w in param_map(type(self), c).items() if w.per_layer]
         lora_layers, lora_step = lora_inputs(lora, h.dtype)
 

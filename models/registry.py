@@ -22,6 +22,7 @@ _MODEL_REGISTRY = {
     "Qwen2MoeForCausalLM": ("models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Qwen2_5_VLForConditionalGeneration": ("models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     # Pooling models (models/adapters.py): served with --runner pooling.
     **{name: ("models.adapters", name) for name in (
         "LlamaForSequenceClassification", "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification",

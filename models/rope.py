@@ -105,11 +105,23 @@ def rope_attention_factor(scaling: dict, max_position_embeddings: int) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
-def apply_rope(x, positions, inv_freq, scale: float = 1.0):
-    """x: [T, heads, H]; positions: [T] int32; inv_freq: [R/2] (R <= H: the first R dims
-    rotate, the rest pass through); ``scale`` multiplies cos and sin (LongRoPE).
-    Rotate-half layout."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
+def rope_freqs(positions, inv_freq, mrope_section: tuple[int, ...] = ()):
+    """The rotation angles [T, R/2]. positions: [T] int32, or M-RoPE's [3, T]
+    (temporal, height, width; Qwen2-VL), where frequency j turns with the axis whose
+    ``mrope_section`` block (sizes summing to R/2) holds j."""
+    if positions.ndim == 1:
+        return positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    assert sum(mrope_section) == inv_freq.shape[0], (mrope_section, inv_freq.shape)
+    axis = np.repeat(np.arange(len(mrope_section)), mrope_section)  # [R/2]: each frequency's axis
+    picked = positions.astype(jnp.float32)[axis]  # [R/2, T]
+    return picked.T * inv_freq[None, :]
+
+
+def apply_rope(x, positions, inv_freq, scale: float = 1.0, mrope_section: tuple[int, ...] = ()):
+    """x: [T, heads, H]; positions: [T] int32 (or [3, T] with ``mrope_section``:
+    ``rope_freqs``); inv_freq: [R/2] (R <= H: the first R dims rotate, the rest pass
+    through); ``scale`` multiplies cos and sin (LongRoPE). Rotate-half layout."""
+    freqs = rope_freqs(positions, inv_freq, mrope_section)  # [T, R/2]
     cos = jnp.cos(freqs)[:, None, :]
     sin = jnp.sin(freqs)[:, None, :]
     if scale != 1.0:

@@ -102,6 +102,18 @@ def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv
         else:
             cfg = transformers.MixtralConfig(**rest, **{"num_local_experts": 8, **moe})
             model = transformers.MixtralForCausalLM(cfg)
+    elif arch == "qwen2_5_vl":
+        # A 4-block tower (blocks 1 and 3 whole-image) with 4-patch windows (56 px), M-RoPE
+        # sections 2 / 3 / 3 of head_dim 16; ids 500-503 are the vision tokens.
+        vision = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                      fullatt_block_indexes=[1, 3], hidden_act="silu")
+        text = {k: v for k, v in common.items() if k != "tie_word_embeddings"}
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+        cfg = transformers.Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=VL_IMAGE_TOKEN,
+                                            video_token_id=501, vision_start_token_id=502, vision_end_token_id=503,
+                                            tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        model = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
     else:
         raise ValueError(arch)
     # Random init in HF is small (std 0.02): scale up so logits are not near-uniform and
@@ -124,18 +136,32 @@ def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv
     if tokenizer == "bytes":
         _write_byte_tokenizer(path, vocab)
     else:
-        _write_tokenizer(path, vocab)
+        _write_tokenizer(path, vocab, VL_TOKENS if arch == "qwen2_5_vl" else {})
+    if arch == "qwen2_5_vl":
+        import json
+        # Small images: 56-448 px a side (4-32 patches), so that tests stay fast.
+        (Path(path) / "preprocessor_config.json").write_text(json.dumps({
+            "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14, "temporal_patch_size": 2,
+            "merge_size": 2, "size": {"shortest_edge": 56 * 56, "longest_edge": 224 * 224},
+            "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_resize": True,
+            "do_convert_rgb": True, "resample": 3}))
     return path
 
 
-def _write_tokenizer(path: Path, vocab: int) -> None:
-    """A word-level tokenizer over a synthetic vocabulary, so text round-trips."""
+VL_IMAGE_TOKEN = 500
+VL_TOKENS = {500: "<|image_pad|>", 501: "<|video_pad|>", 502: "<|vision_start|>", 503: "<|vision_end|>"}
+
+
+def _write_tokenizer(path: Path, vocab: int, named: dict[int, str] | None = None) -> None:
+    """A word-level tokenizer over a synthetic vocabulary, so text round-trips;
+    ``named``: ids spelled otherwise than ``w<id>`` (a VLM's vision tokens)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast
 
     words = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for i in range(3, vocab):
-        words[f"w{i}"] = i
+        words[(named or {}).get(i, f"w{i}")] = i
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
