@@ -48,11 +48,22 @@ class SchedulerConfig:
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     # vLLM's --async-scheduling: step N + 1 is scheduled while step N runs on the device.
     async_scheduling: bool = False
+    # Vision-language models: the image tokens the vision tower may encode per step, and
+    # the rows of the encoder-output buffer (vLLM's max_num_encoder_input_tokens and
+    # encoder_cache_size); 0: max_num_batched_tokens, as vLLM's defaults.
+    max_num_encoder_input_tokens: int = 0
+    encoder_cache_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: max_num_batched_tokens), got {getattr(self, name)}")
+        if self.encoder_cache_rows < self.encoder_budget:
+            raise ValueError(f"encoder_cache_size ({self.encoder_cache_rows}) must be >= "
+                             f"max_num_encoder_input_tokens ({self.encoder_budget})")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -62,6 +73,16 @@ class SchedulerConfig:
             )
         if isinstance(self.policy, str):
             object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
+
+    @property
+    def encoder_budget(self) -> int:
+        """Image tokens the vision tower may encode per step."""
+        return self.max_num_encoder_input_tokens or self.max_num_batched_tokens
+
+    @property
+    def encoder_cache_rows(self) -> int:
+        """Rows (image tokens) of the encoder-output buffer."""
+        return self.encoder_cache_size or self.max_num_batched_tokens
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,8 +193,13 @@ class ModelConfig:
     # Applied on top of the model's config.json (vLLM's --hf-overrides), with
     # classifier_from_token resolved to classifier_from_token_ids by the engine args.
     hf_overrides: dict[str, Any] | None = None
+    # Vision-language models: the most images one prompt may carry (vLLM's
+    # --limit-mm-per-prompt '{"image": N}').
+    limit_mm_per_prompt: int = 16
 
     def __post_init__(self) -> None:
+        if self.limit_mm_per_prompt < 0:
+            raise ValueError(f"limit_mm_per_prompt must be >= 0, got {self.limit_mm_per_prompt}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.weight_dtype not in DTYPES:

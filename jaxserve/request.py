@@ -61,7 +61,7 @@ class Request:
         "num_cached_tokens", "num_preemptions", "max_tokens", "block_hashes",
         "_all_token_ids", "_output_token_ids", "_block_hasher", "structured_output_request",
         "spec_token_ids", "num_spec_drafted", "num_spec_accepted", "spec_disabled",
-        "num_output_placeholders", "lora_request", "scheduled_time",
+        "num_output_placeholders", "lora_request", "scheduled_time", "mm",
     )
 
     def __init__(
@@ -77,6 +77,7 @@ class Request:
         block_hasher: Callable[["Request"], list[bytes]] | None = None,
         max_tokens: int | None = None,
         lora_request=None,
+        mm=None,
     ) -> None:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -90,6 +91,9 @@ class Request:
         # The LoRA adapter it runs with (jaxserve/lora/request.py), None: the base model.
         # Set before the block hashes: the adapter is part of every block's hash.
         self.lora_request = lora_request
+        # Its images (jaxserve.multimodal.inputs.MultiModalPrompt), None: text only. Set
+        # before the block hashes too: a block holding an image's tokens hashes its hash.
+        self.mm = mm
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0

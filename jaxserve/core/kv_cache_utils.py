@@ -42,14 +42,20 @@ def hash_block_tokens(
     return hash_fn((parent_block_hash, tuple(curr_block_token_ids), extra_keys))
 
 
-def generate_block_hash_extra_keys(request, start_token_idx: int) -> tuple | None:
-    """Extra keys of the block starting at start_token_idx: the LoRA adapter (every block,
+def generate_block_hash_extra_keys(request, start_token_idx: int, end_token_idx: int | None = None) -> tuple | None:
+    """Extra keys of the block [start_token_idx, end_token_idx): the LoRA adapter (every block,
     as vLLM: ("lora", id, name, path); the id, unlike vLLM's key, so that an adapter
     unloaded and loaded again under its name, which gets a new id, never meets KV
-    computed with its old weights) and the cache salt, which goes into block 0 only
-    (every later hash depends on it through the chain)."""
+    computed with its old weights), the hash of every image whose placeholder tokens
+    the block holds (the placeholders are the same token for any image; as vLLM's
+    mm extra keys), and the cache salt, which goes into block 0 only (every later hash
+    depends on it through the chain)."""
     lora = getattr(request, "lora_request", None)
     keys = () if lora is None else (("lora", lora.lora_int_id, lora.lora_name, lora.lora_path),)
+    mm = getattr(request, "mm", None)
+    if mm is not None and end_token_idx is not None:
+        keys += tuple(("mm", f.mm_hash) for f in mm.features
+                      if f.offset < end_token_idx and f.end > start_token_idx)
     if start_token_idx == 0 and request.cache_salt:
         keys += (request.cache_salt,)
     return keys or None
@@ -65,7 +71,8 @@ def get_request_block_hasher(block_size: int, hash_fn: Callable[[Any], bytes] = 
         out: list[BlockHash] = []
         while start + block_size <= len(tokens):
             block_tokens = tokens[start : start + block_size]
-            prev = hash_block_tokens(prev, block_tokens, generate_block_hash_extra_keys(request, start), hash_fn)
+            extra = generate_block_hash_extra_keys(request, start, start + block_size)
+            prev = hash_block_tokens(prev, block_tokens, extra, hash_fn)
             out.append(prev)
             start += block_size
         return out

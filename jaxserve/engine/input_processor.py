@@ -12,8 +12,10 @@ class InputProcessor:
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_logprobs: int,
                  eos_token_ids: set[int], primary_eos: int | None = None,
                  kv_cache_blocks: int | None = None, blocks_held=None, block_size: int = 16,
-                 structured_output_manager=None) -> None:
+                 structured_output_manager=None, mm_processor=None) -> None:
         self.tokenizer = tokenizer
+        # A vision-language model's images -> placeholders (jaxserve/multimodal/processor.py); None: text only.
+        self.mm_processor = mm_processor
         # Usable blocks of the whole KV cache. Sized from memory it holds max_model_len; a
         # small num_gpu_blocks_override may not, and a request that cannot fit even
         # alone would be preempted and recomputed forever.
@@ -45,6 +47,19 @@ class InputProcessor:
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
         return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def process_images(self, prompt, ids: list[int]):
+        """A prompt dict's ``multi_modal_data`` images -> (ids with each image's
+        placeholder expanded, MultiModalPrompt); (ids, None) without images. ValueError
+        for images sent to a text model, or a bad image."""
+        from jaxserve.multimodal.processor import prompt_images
+
+        images = prompt_images(prompt)
+        if not images:
+            return ids, None
+        if self.mm_processor is None:
+            raise ValueError("multi_modal_data: this model takes text only")
+        return self.mm_processor.process(ids, images)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if len(prompt_token_ids) == 0:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from jaxserve.config import EngineConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.multimodal.processor import MultiModalProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.fault_injection import FaultInjector
 from jaxserve.outputs import RequestFailedError, RequestOutput
@@ -63,7 +64,11 @@ class LLMEngine:
             kv_cache_blocks=runner.num_blocks - 1, block_size=runner.block_size,
             blocks_held=lambda n: runner.kv_cache_layout.blocks_held(
                 n, runner.block_size, config.scheduler_config.max_num_batched_tokens),
-            structured_output_manager=self.structured_output_manager)
+            structured_output_manager=self.structured_output_manager,
+            mm_processor=MultiModalProcessor.from_model(
+                runner.model_path, runner.arch, limit_per_prompt=mc.limit_mm_per_prompt,
+                max_image_tokens=min(config.scheduler_config.encoder_budget,
+                                     config.scheduler_config.encoder_cache_rows)))
         pooler = mc.pooler_config
         self.output_processor = OutputProcessor(self.tokenizer, pooler.task if pooler is not None else None)
         endpoint = config.observability_config.otlp_traces_endpoint
@@ -131,17 +136,19 @@ class LLMEngine:
                     cache_salt: str | None = None, add_special_tokens: bool = True,
                     stream: RequestStream | None = None, lora_request=None) -> None:
         text, ids = self.input_processor.tokenize(prompt, add_special_tokens=add_special_tokens)
+        ids, mm = self.input_processor.process_images(prompt, ids)
         self.add_tokenized_request(request_id, text, ids, params, priority=priority, cache_salt=cache_salt,
-                                   stream=stream, lora_request=lora_request)
+                                   stream=stream, lora_request=lora_request, mm=mm)
 
     def add_tokenized_request(self, request_id: str, text, ids: list[int], params: SamplingParams, *,
                               priority: int = 0, cache_salt: str | None = None, stream: RequestStream | None = None,
                               arrival_time: float | None = None, lora_request=None,
-                              trace_headers: dict[str, str] | None = None) -> None:
+                              trace_headers: dict[str, str] | None = None, mm=None) -> None:
         """``lora_request``: the LoRA adapter to run with (jaxserve.lora.LoRARequest; read
         and checked here on first use), None: the base model. ``trace_headers``: the
         caller's W3C trace context (traceparent / tracestate), the parent of the request's
-        span when tracing is on."""
+        span when tracing is on. ``mm``: the prompt's images
+        (InputProcessor.process_images), None: text only."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if self.config.model_config.pooler_config is not None:
@@ -172,7 +179,7 @@ class LLMEngine:
             self.engine_core.add_request(Request(
                 child_id, ids, child_params, None if params.ignore_eos else self.eos_token_id,
                 priority=priority, cache_salt=cache_salt, max_tokens=max_tokens, arrival_time=arrival_time,
-                lora_request=lora_request,
+                lora_request=lora_request, mm=mm,
             ))
 
     def prepare_pooling(self, prompt, params: PoolingParams, *, add_special_tokens: bool = True,

@@ -317,8 +317,9 @@ class CompilationManager:
         kv_cache = jax.tree.map(abstract, r.kv_cache)
         # The adapters' slots too: an adapter copied in donates them.
         lora = jax.tree.map(abstract, r.lora.buffers) if r.lora is not None else None
+        encoder = (abstract(r.encoder.buffer),) if r.encoder is not None else ()
         return self._lower(ModelStepKey(num_tokens), r.state, kv_cache,
-                           r.inputs.abstract_packed(r.inputs.model_layout(num_tokens)), lora)
+                           r.inputs.abstract_packed(r.inputs.model_layout(num_tokens)), lora, *encoder)
 
     def _lower(self, key: ProgramKey, *args) -> jax.stages.Lowered:
         return self.runner._jitted[type(key)].lower(*args, **self.runner.inputs.static_args(key))

@@ -35,6 +35,7 @@ class CachedRequestState:
     # preemption recomputes its prompt, and must not return them twice.
     num_prompt_logprobs_done: int = 0
     lora_request: LoRARequest | None = None  # the adapter it runs with (jaxserve/lora)
+    mm: object = None  # its images (jaxserve.multimodal.inputs.MultiModalPrompt), None: text only
 
 
 class InputBatch:

@@ -101,6 +101,17 @@ class ModelRunner:
                                     self.mesh, lora_dtype,
                                     as_bits=stacked_weights_as_bits(self.platform, mc.scan_layers, lora_dtype,
                                                                     self.dtype))
+        # A vision-language model's tower program and encoder-output buffer (runner/encoder.py).
+        self.encoder = None
+        if self.arch.vision is not None:
+            from jaxserve.runner.encoder import EncoderRunner
+
+            if config.speculative_config is not None and config.speculative_config.method == "draft_model":
+                raise ValueError("a draft model does not take images: speculative decoding with a "
+                                 "vision-language model supports method 'ngram' only")
+            if mc.pooler_config is not None:
+                raise ValueError("a vision-language model is served with runner 'generate', not 'pooling'")
+            self.encoder = EncoderRunner(self, config.scheduler_config.encoder_cache_rows)
         self.weights = WeightUpdater(self)  # live updates, sleep / wake (runner/weight_update.py)
         self.sleep_level = 0  # 0 awake; 1 the KV cache freed; 2 the weights too
         if mc.batch_invariant and (self.arch.num_experts or pc.tensor_parallel_size > 1):
@@ -151,7 +162,8 @@ class ModelRunner:
                                           layer_slot=self.kv_cache_layout.layer_slot)
         self.inputs = ProgramInputs(self.input_batch, self._replicated, dp=self.dp, max_num_reqs=self.max_num_reqs,
                                     rows_per_req=self.rows_per_req, max_blocks_per_req=self.max_blocks_per_req,
-                                    num_kv_groups=self.kv_cache_layout.num_groups, lora=self.lora is not None)
+                                    num_kv_groups=self.kv_cache_layout.num_groups, lora=self.lora is not None,
+                                    mm=self.encoder is not None)
         self._step_inputs = StepInputBuilder(self.input_batches, self.requests, self.inputs,
                                              block_size=self.block_size)
         self._jitted = build_step_programs(self.graphdef, self._attention, self.mesh, dp=self.dp,
@@ -353,6 +365,11 @@ class ModelRunner:
             return jax.tree.map(lambda x: global_array(x, self._rows_sharding), tree)
         return jax.device_put(tree, jax.tree.map(lambda _: self._rows_sharding, tree))
 
+    def _encoder_args(self) -> tuple:
+        """The model step's encoder-output buffer argument: (buffer,) for a
+        vision-language model, () otherwise."""
+        return (self.encoder.buffer,) if self.encoder is not None else ()
+
     def _run(self, key: ProgramKey, *args):
         """Run the program ``key`` names: the warm-up's executable (its static arguments
         baked in), else the jitted function."""
@@ -376,6 +393,8 @@ class ModelRunner:
             self._update_states(rank, so)
         if all(so.total_num_scheduled_tokens == 0 for so in outputs):
             return None
+        if self.encoder is not None:
+            self.encoder.run({h: v for so in outputs for h, v in so.scheduled_encoder_inputs.items()})
         step = self._prepare_inputs(outputs)
         return InflightStep(step, *self._dispatch(step))
 
@@ -415,7 +434,7 @@ class ModelRunner:
             sp = new.sampling_params
             seed = sp.seed if sp.seed is not None else int(self._seed_rng.integers(0, 2**31))
             state = CachedRequestState(new.req_id, list(new.prompt_token_ids), sp, seed & 0xFFFFFFFF,
-                                       lora_request=new.lora_request)
+                                       lora_request=new.lora_request, mm=new.mm)
             self.requests[new.req_id] = state
             ib.add_request(state, new.num_computed_tokens, new.block_ids)
         cached = so.scheduled_cached_reqs
@@ -463,7 +482,8 @@ class ModelRunner:
             history, bitmask, bias = (x if h is None else self._put(h) for x, h in (
                 (history, step.token_history), (bitmask, step.grammar_bitmask), (bias, step.logit_bias)))
         hidden, hidden_last, self.kv_cache = self._run(step.model_key, self.state, self.kv_cache, model_buffer,
-                                                       self.lora.buffers if self.lora is not None else None)
+                                                       self.lora.buffers if self.lora is not None else None,
+                                                       *self._encoder_args())
         sampled = self._run(step.sample_key, self.state, hidden_last, sampler_buffer, history, bitmask, bias)
         prompt_lp = None
         if step.prompt_logprobs:

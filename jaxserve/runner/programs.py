@@ -96,15 +96,24 @@ def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, r
         return dataclasses.replace(smd, token_history=history, allowed_token_bitmask=bitmask,
                                    logit_bias_ids=bias[0], logit_bias_values=bias[1]), extra
 
-    def model_step(state, kv_cache, packed, lora_buffers, *, layout):
-        """lora_buffers: None, or the adapters' slots (jaxserve/lora/manager.py)."""
-        input_ids, positions, md, logits_indices, _, *lora_inputs = unpack(layout, packed)
+    def model_step(state, kv_cache, packed, lora_buffers, encoder_buffer=None, *, layout):
+        """lora_buffers: None, or the adapters' slots (jaxserve/lora/manager.py);
+        encoder_buffer: a vision-language model's encoder outputs [E, D] (the runner's),
+        its inputs then ending with each token's row + 1 (0: text) and its M-RoPE
+        positions [T, 3]."""
+        input_ids, positions, md, logits_indices, _, *extra = unpack(layout, packed)
         model = nnx.merge(graphdef, state)
-        lora = None
+        lora = mm = None
         if lora_buffers is not None:
-            (slots,) = lora_inputs
+            slots = extra[0]
             lora = (lora_buffers, lora_mask(slots, *lora_slots, jnp.float32), jnp.any(slots > 0))
-        hidden, kv_cache = model(input_ids, positions, kv_cache, md, attention, lora=lora)
+        if encoder_buffer is not None:
+            mm_rows, mrope = extra[-2:]
+            mm = (encoder_buffer, mm_rows - 1)
+            if arch is not None and arch.mrope_section:
+                positions = mrope.T
+        hidden, kv_cache = model(input_ids, positions, kv_cache, md, attention, lora=lora,
+                                 **({"mm": mm} if mm is not None else {}))
         # Each rank's last-token rows, by its local indices [DP, Rmax] into its [T].
         by_rank = hidden.reshape(dp, -1, hidden.shape[-1])
         last = jnp.take_along_axis(by_rank, logits_indices.reshape(dp, -1, 1), axis=1)
@@ -191,9 +200,11 @@ class ProgramInputs:
     bucket and kind of sampler), made once each, and zeroed inputs of their shapes."""
 
     def __init__(self, input_batch: InputBatch, replicated: NamedSharding, *, dp: int, max_num_reqs: int,
-                 rows_per_req: int, max_blocks_per_req: int, num_kv_groups: int, lora: bool = False) -> None:
+                 rows_per_req: int, max_blocks_per_req: int, num_kv_groups: int, lora: bool = False,
+                 mm: bool = False) -> None:
         self.input_batch = input_batch  # rank 0's: the sampling metadata's shapes
         self.lora = lora  # the model step's inputs end with each token's adapter slot
+        self.mm = mm  # ... then with each token's encoder-output row + 1 and its M-RoPE positions
         self.replicated = replicated
         self.dp, self.max_num_reqs, self.rows_per_req = dp, max_num_reqs, rows_per_req
         self.num_spec = rows_per_req - 1
@@ -237,15 +248,20 @@ class ProgramInputs:
     def model_inputs(self, t: int):
         """Zeroed model-step inputs for token bucket ``t``, every rank's one after the
         other: (input_ids [DP*T], positions [DP*T], AttentionMetadata, logits_indices
-        [DP*Rmax*S], prompt logprobs targets [DP*T]) and with LoRA the tokens' adapter
-        slots [DP*T]. Per-request arrays have the fixed
+        [DP*Rmax*S], prompt logprobs targets [DP*T]), with LoRA the tokens' adapter
+        slots [DP*T], and for a vision-language model each token's encoder-output row + 1
+        [DP*T] (0: a text token) and its M-RoPE positions [DP*T, 3]. Per-request arrays have the fixed
         maximum sizes (Rmax, Pmax), so the backbone's programs depend on T alone; zeros
         are safe padding (slot 0 is the null block, num_seqs 0 masks every row, adapter
         slot 0 is none)."""
         r, dp = self.max_num_reqs, self.dp
         inputs = (np.zeros(dp * t, np.int32), np.zeros(dp * t, np.int32), self.empty_attention_metadata(t),
                   np.zeros(dp * r * self.rows_per_req, np.int32), np.zeros(dp * t, np.int32))
-        return inputs + (np.zeros(dp * t, np.int32),) if self.lora else inputs
+        if self.lora:
+            inputs += (np.zeros(dp * t, np.int32),)
+        if self.mm:
+            inputs += (np.zeros(dp * t, np.int32), np.zeros((dp * t, 3), np.int32))
+        return inputs
 
     def empty_attention_metadata(self, t: int) -> AttentionMetadata:
         """Zeroed AttentionMetadata of token bucket ``t``, every rank's one after the other

@@ -91,8 +91,10 @@ class StepInputBuilder:
         t_pad = token_buckets(max(so.total_num_scheduled_tokens for so in outputs))
         r_pad = request_buckets(max(len(so.num_scheduled_tokens) for so in outputs))
         # Written in place: views of the packed buffer.
-        model_buffer, (input_ids, positions, md, logits_indices, lp_targets, *lora_inputs) = \
+        model_buffer, (input_ids, positions, md, logits_indices, lp_targets, *extra) = \
             self.inputs.model_layout(t_pad).allocate()
+        lora_inputs = extra[:1] if self.inputs.lora else []
+        mm_inputs = extra[-2:] if self.inputs.mm else None
         rmax = self.max_num_reqs
         ranks = [list(so.num_scheduled_tokens) for so in outputs]
         rows = [np.fromiter((ib.req_id_to_index[r] for r in ids), np.int64, len(ids))
@@ -130,6 +132,9 @@ class StepInputBuilder:
                 # Each request's tokens carry its adapter's slot (padding: 0, none).
                 per_req = np.fromiter((lora_slots.get(r, 0) for r in req_ids), np.int32, len(req_ids))
                 lora_inputs[0][tok][:step.num_scheduled.sum()] = np.repeat(per_req, step.num_scheduled)
+            if mm_inputs is not None:
+                self._fill_mm(so, req_ids, rws, ib, md.query_start_loc[rank * (rmax + 1):], positions[tok],
+                              mm_inputs[0][tok], mm_inputs[1][tok])
             md.num_seqs[rank] = len(req_ids)
             rank_steps.append(step)
             if targets is not None:
@@ -163,6 +168,32 @@ class StepInputBuilder:
             grammar_bitmask=bitmask, prompt_logprobs=any_prompt_logprobs,
             logit_bias=(np.concatenate([ib.logit_bias_ids[r] for ib, r in bias_rows]),
                         np.concatenate([ib.logit_bias_values[r] for ib, r in bias_rows])) if biased else None)
+
+    def _fill_mm(self, so, req_ids, rows, ib: InputBatch, cu, positions, mm_rows, mrope) -> None:
+        """A vision-language model's extra inputs for one rank (views, written in place):
+        each image token's encoder-output row + 1 (``so.encoder_rows``; text tokens keep
+        0) and every token's M-RoPE positions (text: its position on all three axes;
+        a prompt's images: jaxserve.multimodal.qwen2_vl.mrope_positions; generated
+        tokens: their position + the prompt's delta)."""
+        total = int(cu[len(req_ids)])
+        mrope[:total] = positions[:total, None]
+        for i, req_id in enumerate(req_ids):
+            mm = self.requests[req_id].mm
+            if mm is None:
+                continue
+            start, n, base = int(ib.num_computed_tokens[rows[i]]), int(cu[i + 1] - cu[i]), int(cu[i])
+            end = start + n
+            if mm.mrope_positions is not None:
+                table = mm.mrope_positions
+                p = np.arange(start, end)
+                inside = p < table.shape[1]
+                mrope[base:base + n][inside] = table[:, p[inside]].T
+                mrope[base:base + n][~inside] = (p[~inside] + mm.mrope_delta)[:, None]
+            for f in mm.features:
+                lo, hi = max(start, f.offset), min(end, f.end)
+                if lo < hi:
+                    img_rows = np.asarray(so.encoder_rows[f.mm_hash], np.int32)
+                    mm_rows[base + lo - start:base + hi - start] = img_rows[lo - f.offset:hi - f.offset] + 1
 
     def _prepare_rank(self, so, ib: InputBatch, req_ids, rows, input_ids, positions, slot_mapping, seq_lens, cu,
                       block_tables, logits_indices) -> tuple[RankStep, np.ndarray | None]:

@@ -26,6 +26,7 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]  # every block the request owns, in order, per KV cache group
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
     lora_request: LoRARequest | None = None  # its adapter (jaxserve/lora), None: the base model
+    mm: object = None  # its images (jaxserve.multimodal.inputs.MultiModalPrompt), None: text only
 
 
 @dataclass(slots=True)
@@ -64,3 +65,8 @@ class SchedulerOutput:
     # Speculative decoding: req_id -> the draft tokens scheduled after its last token
     # (counted in num_scheduled_tokens); only requests with drafts are keys.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Images: those the vision tower encodes before this step's model step, mm_hash ->
+    # (MultiModalFeature, its rows of the encoder-output buffer), and the rows of every
+    # image whose placeholder tokens this step computes (mm_hash -> rows, token order).
+    scheduled_encoder_inputs: dict = field(default_factory=dict)
+    encoder_rows: dict[str, list[int]] = field(default_factory=dict)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from jaxserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from jaxserve.core.encoder_cache_manager import EncoderCacheManager
 from jaxserve.core.kv_cache_groups import KVCacheLayout
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.kv_cache_utils import KVCacheBlock, PrefixCacheStats, cdiv, get_request_block_hasher
@@ -150,6 +151,11 @@ class Scheduler:
         )
         # Hashes are only needed with prefix caching; computing them is not free.
         self.block_hasher = get_request_block_hasher(self.block_size) if cache_config.enable_prefix_caching else None
+        # Images: the encoder-output buffer's rows, and this step's encodes (mm_hash ->
+        # (feature, rows)), which the runner runs before the model step.
+        self.encoder_cache = EncoderCacheManager(scheduler_config.encoder_cache_rows)
+        self.encoder_budget = scheduler_config.encoder_budget
+        self._step_encodes: dict = {}
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -199,6 +205,7 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         assert request.is_finished()
         self.kv_cache_manager.free(request)
+        self._release_encoder_inputs(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
@@ -223,6 +230,8 @@ class Scheduler:
         req_to_new_block_ids: dict[str, tuple[list[int], ...]] = {}
         num_scheduled_tokens: dict[str, int] = {}
         token_budget = self.max_num_scheduled_tokens
+        encoder_budget = self.encoder_budget
+        self._step_encodes = {}
 
         scheduled_spec_decode_tokens: dict[str, list[int]] = {}
         sc = self.speculative_config
@@ -250,6 +259,9 @@ class Scheduler:
             num_new_tokens = min(num_new_tokens, token_budget)
             # Never compute a position at or past max_model_len.
             num_new_tokens = min(num_new_tokens, self.max_model_len - request.num_computed_tokens)
+            if request.mm is not None:
+                num_new_tokens, to_encode = self._plan_encoder_inputs(request, request.num_computed_tokens,
+                                                                      num_new_tokens, encoder_budget)
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
@@ -265,6 +277,9 @@ class Scheduler:
                 break
 
             scheduled_running_reqs.append(request)
+            if request.mm is not None:
+                encoder_budget -= self._commit_encoder_inputs(request, request.num_computed_tokens, num_new_tokens,
+                                                              to_encode)
             req_to_new_block_ids[request.request_id] = tuple([b.block_id for b in g] for g in new_blocks)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
@@ -313,12 +328,20 @@ class Scheduler:
                     break  # FCFS: do not skip the blocked request
                 num_new_tokens = min(num_new_tokens, token_budget)
                 assert num_new_tokens > 0
+                if request.mm is not None:
+                    num_new_tokens, to_encode = self._plan_encoder_inputs(request, num_computed_tokens,
+                                                                          num_new_tokens, encoder_budget)
+                    if num_new_tokens <= 0:
+                        break  # FCFS: its image waits for room in the encoder budget / buffer
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request, num_new_tokens, num_new_local_computed, computed_blocks,
                     num_lookahead_tokens=self.num_lookahead_tokens,
                 )
                 if new_blocks is None:
                     break
+                if request.mm is not None:
+                    encoder_budget -= self._commit_encoder_inputs(request, num_computed_tokens, num_new_tokens,
+                                                                  to_encode)
                 self.waiting.pop_request()
                 self.running.append(request)
                 if lora is not None:
@@ -354,6 +377,7 @@ class Scheduler:
                 block_ids=req_to_new_block_ids[r.request_id],
                 num_computed_tokens=r.num_computed_tokens,
                 lora_request=r.lora_request,
+                mm=r.mm,
             )
             for r in scheduled_new_reqs
         ]
@@ -375,12 +399,20 @@ class Scheduler:
             structured_output_request_ids=structured_ids,
             grammar_bitmask=bitmask,
             scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
+            scheduled_encoder_inputs=self._step_encodes,
+            encoder_rows=self._encoder_rows(num_scheduled_tokens),
         )
+        self._step_encodes = {}
         # A request's computed count advances as soon as it is scheduled: its KV is
         # written by this step, and the next schedule() may run before the output is back.
         for req_id, n in num_scheduled_tokens.items():
             request = self.requests[req_id]
             request.num_computed_tokens += n
+            if request.mm is not None:
+                # Images whose tokens are all computed now: their rows stay cached (for
+                # another request or turn) but may be reused from the next step on.
+                self.encoder_cache.release_all(req_id, [f.mm_hash for f in request.mm.features
+                                                        if f.end <= request.num_computed_tokens])
             # Async scheduling: a request whose tokens this step reaches samples one, which
             # the next schedule() counts as there before the output is back.
             in_flight = request.num_tokens + request.num_output_placeholders
@@ -436,6 +468,68 @@ class Scheduler:
         """Outputs of requests that ended inside schedule() (see _grammar_ready)."""
         out, self._pending_outputs = self._pending_outputs, []
         return out
+
+    # ------------------------------------------------------------------ images
+    def _plan_encoder_inputs(self, request: Request, num_computed: int, num_new_tokens: int,
+                             encoder_budget: int) -> tuple[int, list]:
+        """The images the tokens [num_computed, num_computed + num_new_tokens) need and
+        that are not in the encoder cache (vLLM's _try_schedule_encoder_inputs): each
+        must fit this step's encoder budget and the buffer, else the step stops before
+        the image's first token. Returns (num_new_tokens, the images to encode); nothing
+        is changed yet (_commit_encoder_inputs does it once the KV slots are there)."""
+        to_encode, need = [], 0
+        for f in request.mm.features:
+            if f.offset >= num_computed + num_new_tokens:
+                break
+            if f.end <= num_computed or self.encoder_cache.has(f.mm_hash) or any(
+                    g.mm_hash == f.mm_hash for g in to_encode) or f.mm_hash in self._step_encodes:
+                continue
+            if need + f.length > encoder_budget or not self.encoder_cache.can_allocate(need + f.length):
+                return min(num_new_tokens, max(f.offset - num_computed, 0)), to_encode
+            to_encode.append(f)
+            need += f.length
+        return num_new_tokens, to_encode
+
+    def _commit_encoder_inputs(self, request: Request, num_computed: int, num_new_tokens: int,
+                               to_encode: list) -> int:
+        """Give rows to the images to encode this step, and reference every image the
+        scheduled tokens reach. Returns the encoder tokens spent."""
+        spent = 0
+        for f in to_encode:
+            rows = self.encoder_cache.allocate(f.mm_hash, f.length, request.request_id)
+            self._step_encodes[f.mm_hash] = (f, rows)
+            spent += f.length
+        for f in request.mm.features:
+            if f.offset < num_computed + num_new_tokens and f.end > num_computed:
+                if f in to_encode:
+                    continue
+                self.encoder_cache.reference(f.mm_hash, request.request_id)
+                self.encoder_cache.num_reused += f.mm_hash not in self._step_encodes
+        return spent
+
+    def _encoder_rows(self, num_scheduled_tokens: dict[str, int]) -> dict[str, list[int]]:
+        """mm_hash -> its rows, for every image whose tokens this step computes."""
+        out = {}
+        for req_id, n in num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            if request.mm is None:
+                continue
+            start = request.num_computed_tokens
+            for f in request.mm.features:
+                if f.offset < start + n and f.end > start:
+                    out[f.mm_hash] = self.encoder_cache.rows[f.mm_hash]
+        return out
+
+    def _release_encoder_inputs(self, request: Request) -> None:
+        """A request preempted or finished: its images lose this reference; one given
+        rows earlier in this schedule that nobody else uses is not encoded after all."""
+        if request.mm is None:
+            return
+        for f in request.mm.features:
+            self.encoder_cache.release(f.mm_hash, request.request_id)
+            if f.mm_hash in self._step_encodes and not self.encoder_cache.refs.get(f.mm_hash):
+                del self._step_encodes[f.mm_hash]
+                self.encoder_cache.drop(f.mm_hash)
 
     def _clamp_long_prefill(self, num_new_tokens: int) -> int:
         """At most ``long_prefill_token_threshold`` new tokens per request and step (0: no limit)."""
@@ -493,6 +587,7 @@ class Scheduler:
     def _preempt_request(self, request: Request) -> None:
         assert request.status == RequestStatus.RUNNING
         self.kv_cache_manager.free(request)
+        self._release_encoder_inputs(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         # A token still in flight is appended when its step returns (update_from_output),
