@@ -131,6 +131,9 @@ class EngineArgs:
         "JSON object applied on top of the model's config.json, vLLM's; e.g. a Qwen3-Reranker as a classifier: "
         '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
         '"is_original_qwen3_reranker": true}\' (docs/pooling.md).'))
+    limit_mm_per_prompt: dict[str, Any] | None = field(default=None, metadata=_arg(
+        'Vision-language models: the most images per prompt, as a JSON object like \'{"image": 4}\' (vLLM\'s; '
+        "default 16)."))
     # ------------------------------------------------------------------ KV cache
     block_size: int = field(default=CacheConfig.block_size, metadata=_arg("KV cache block size in tokens."))
     enable_prefix_caching: bool = field(default=CacheConfig.enable_prefix_caching, metadata=_arg(
@@ -154,6 +157,11 @@ class EngineArgs:
         "Split long prompts over several steps."))
     long_prefill_token_threshold: int = field(default=SchedulerConfig.long_prefill_token_threshold, metadata=_arg(
         "Most tokens one prefill takes per step (0: no cap)."))
+    max_num_encoder_input_tokens: int = field(default=0, metadata=_arg(
+        "Vision-language models: image tokens the vision tower encodes per step (0: max_num_batched_tokens, "
+        "or the largest image's tokens if more)."))
+    encoder_cache_size: int = field(default=0, metadata=_arg(
+        "Vision-language models: image tokens the encoder-output cache holds (0: the encoder budget)."))
     scheduling_policy: str = field(default=SchedulerConfig.policy.value, metadata=_arg(
         "Order of the waiting queue.", choices=tuple(p.value for p in SchedulingPolicy)))
     async_scheduling: bool = field(default=SchedulerConfig.async_scheduling, metadata=_arg(
@@ -258,6 +266,17 @@ class EngineArgs:
         return cls(**values)
 
     # ------------------------------------------------------------------ config
+    def _image_limit(self) -> int:
+        """--limit-mm-per-prompt's image count (ValueError for another modality)."""
+        limits = self.limit_mm_per_prompt or {}
+        unknown = set(limits) - {"image"}
+        if unknown:
+            raise ValueError(f"limit_mm_per_prompt: only 'image' is supported, got {sorted(unknown)}")
+        n = limits.get("image", ModelConfig.limit_mm_per_prompt)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"limit_mm_per_prompt: 'image' must be an integer >= 0, got {n!r}")
+        return n
+
     def create_engine_config(self, *, progress: bool = True,
                              default_max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> EngineConfig:
         """Resolve the model (converting a GGUF once), fill the defaults that depend on
@@ -301,7 +320,15 @@ class EngineArgs:
             max_logprobs=self.max_logprobs, attention_backend=self.attention_backend, scan_layers=self.scan_layers,
             generation_config=self.generation_config, override_generation_config=self.override_generation_config,
             quantization=self.quantization, batch_invariant=self.batch_invariant or batch_invariant_env(),
-            pooler_config=pooler_config, hf_overrides=hf_overrides)
+            pooler_config=pooler_config, hf_overrides=hf_overrides,
+            limit_mm_per_prompt=self._image_limit())
+        encoder_budget = self.max_num_encoder_input_tokens
+        if arch.vision is not None and not encoder_budget:
+            from jaxserve.multimodal.processor import MultiModalProcessor
+
+            # vLLM's default: the step's token budget, or the largest image if that is more.
+            largest = MultiModalProcessor.from_model(path, arch).max_tokens_per_image
+            encoder_budget = max(max_num_batched_tokens, largest)
         defaults = model_config.get_diff_sampling_param()
         if defaults:
             logger.info("Sampling defaults from the model's generation config: %s (a request's own values win; "
@@ -320,7 +347,8 @@ class EngineArgs:
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
                 max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.scheduling_policy,
-                async_scheduling=self.async_scheduling),
+                async_scheduling=self.async_scheduling, max_num_encoder_input_tokens=encoder_budget,
+                encoder_cache_size=max(self.encoder_cache_size, encoder_budget)),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
                 enable_expert_parallel=self.enable_expert_parallel,

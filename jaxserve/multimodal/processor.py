@@ -31,6 +31,12 @@ class MultiModalProcessor:
         cfg = json.loads(path.read_text()) if path.exists() else {}
         return cls(arch, Qwen2VLImageProcessor.from_config(cfg), **kw)
 
+    @property
+    def max_tokens_per_image(self) -> int:
+        """The placeholder tokens of the largest image (max_pixels)."""
+        ip = self.image_processor
+        return ip.max_pixels // (ip.patch_size * ip.merge_size) ** 2
+
     def process(self, ids: list[int], images: list) -> tuple[list[int], MultiModalPrompt]:
         """ids (with one placeholder per image) and the images -> (the expanded ids,
         the MultiModalPrompt). ValueError naming the image for a bad one."""
