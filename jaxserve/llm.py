@@ -12,6 +12,7 @@ from jaxserve.config import DEFAULT_MAX_MODEL_LEN
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core import pause_mode
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.multimodal.chat import split_content
 from jaxserve.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
                               RequestOutput, ScoringOutput, ScoringRequestOutput)
 from jaxserve.pooling_params import PoolingParams
@@ -245,15 +246,23 @@ class LLM:
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None, lora_request=None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"}) or a list of them;
-        lora_request as in generate()."""
+        a vision-language model's content may be a list of parts, text and
+        ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` (or
+        ``{"type": "image", "image": <PIL image / array>}``); lora_request as in generate()."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = self._params_list(len(convs), sampling_params)
         items = []
+        vlm = self.llm_engine.input_processor.mm_processor is not None
         for conv, sp in zip(convs, params):
+            images = [] if vlm else None
+            conv = [{**m, "content": split_content(m["content"], f"messages[{i}]", images)}
+                    if isinstance(m.get("content"), list) else m for i, m in enumerate(conv)]
             text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                       chat_template=chat_template)
-            # The template already holds the special tokens (BOS etc.).
-            items.append((text, sp, False))
+            # The template already holds the special tokens (BOS etc.). Image parts: the
+            # prompt dict carries them (a data: URL, bytes, a PIL image or an array each).
+            prompt = {"prompt": text, "multi_modal_data": {"image": [src for _, src in images]}} if images else text
+            items.append((prompt, sp, False))
         return self._run(items, use_tqdm=use_tqdm, loras=self._lora_list(len(convs), lora_request))
 
     def beam_search(self, prompts, params, *, use_tqdm: bool = False, lora_request=None) -> list:

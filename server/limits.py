@@ -27,6 +27,8 @@ Flags (``add_limits_args``; ``limits_from_args`` turns them into a ``ServerLimit
                              off by default: a client's Jinja runs in the server's
                              event loop, and a nested loop or a huge string holds it
                              for seconds or minutes).
+--allowed-media-domains H..  hosts an http(s) image_url may come from (default any).
+--allowed-local-media-path D  a folder file:// image URLs may read (default none).
 """
 from __future__ import annotations
 
@@ -60,6 +62,10 @@ class ServerLimits:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # 0: no limit
     protect_all_routes: bool = False
     trust_request_chat_template: bool = False
+    # Image parts' URLs (jaxserve/multimodal/media.py): the hosts http(s) images may come
+    # from (None: any), the folder local files may come from (None: none).
+    allowed_media_domains: tuple[str, ...] | None = None
+    allowed_local_media_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 0:
@@ -80,6 +86,12 @@ def add_limits_args(parser_group) -> None:
         "--trust-request-chat-template", action="store_true",
         help="Accept a chat_template given in a request (vLLM's flag). Off by default: a client's template "
              "runs in the server's event loop and can hold it for minutes.")
+    parser_group.add_argument(
+        "--allowed-media-domains", nargs="+", default=None,
+        help="Vision-language models: the only hosts an http(s) image_url may be fetched from (default: any).")
+    parser_group.add_argument(
+        "--allowed-local-media-path", default=None,
+        help="Vision-language models: a folder whose files an image_url may name (file://...; default: none).")
 
 
 def limits_from_args(args) -> ServerLimits:
@@ -90,7 +102,10 @@ def limits_from_args(args) -> ServerLimits:
         max_request_body_bytes=getattr(args, "max_request_body_bytes", defaults.max_request_body_bytes),
         protect_all_routes=getattr(args, "protect_all_routes", defaults.protect_all_routes),
         trust_request_chat_template=getattr(args, "trust_request_chat_template",
-                                            defaults.trust_request_chat_template))
+                                            defaults.trust_request_chat_template),
+        allowed_media_domains=(tuple(d.lower() for d in args.allowed_media_domains)
+                               if getattr(args, "allowed_media_domains", None) else None),
+        allowed_local_media_path=getattr(args, "allowed_local_media_path", None))
     if limits.protect_all_routes and not getattr(args, "api_key", None):
         raise ValueError("--protect-all-routes requires --api-key")
     return limits

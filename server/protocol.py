@@ -150,8 +150,13 @@ _TOOL_CHOICE_SCHEMA = {"anyOf": [
     _NULL], "default": "none"}
 _CONTENT_SCHEMA = {"anyOf": [
     {"type": "string"},
-    {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
-        "type": {"const": "text"}, "text": {"type": "string"}}}},
+    {"type": "array", "items": {"anyOf": [
+        {"type": "object", "required": ["type", "text"], "properties": {
+            "type": {"const": "text"}, "text": {"type": "string"}}},
+        # Vision-language models only (a text model answers 400): a data: or http(s) URL.
+        {"type": "object", "required": ["type", "image_url"], "properties": {
+            "type": {"const": "image_url"}, "image_url": {"type": "object", "required": ["url"], "properties": {
+                "url": {"type": "string"}, "detail": {"type": "string"}}}}}]}},
     _NULL]}
 _TOOL_CALLS_SCHEMA = {"anyOf": [
     {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {

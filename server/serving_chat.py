@@ -10,6 +10,7 @@ streamed deltas add up to the non-streamed message.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -158,14 +159,21 @@ class OpenAIServingChat(OpenAIServing):
         self.reasoning_parser = reasoning_parser
 
     def _prepare(self, request: ChatCompletionRequest):
+        """(text, ids, params, mode, mm): mm the images (MultiModalPrompt) of a
+        vision-language model's request, else None. Image parts are fetched, decoded
+        and preprocessed here: the caller runs it on a worker thread then."""
         tool_choice, function_name = resolve_tool_choice(request, auto_enabled=self.enable_auto_tools)
         constraint: Constraint | None = chat_constraint(request, tool_choice, function_name)
         if request.top_logprobs is not None and request.top_logprobs > 0 and not request.logprobs:
             raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-        text = self.render_chat(request)
+        images = [] if self.mm_processor is not None else None
+        text = self.render_chat(request, images)
         _, ids = self.tokenize_prompt(text, add_special_tokens=request.add_special_tokens)
         if not ids:
             raise bad_request("The rendered chat prompt is empty.", "messages")
+        mm = None
+        if images:
+            ids, mm = self.expand_images(ids, self.load_images(images))
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         given = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if given is None:
@@ -195,7 +203,14 @@ class OpenAIServingChat(OpenAIServing):
                               include_reasoning=request.include_reasoning, tools=request.tools,
                               reasoning_opened=(self.reasoning_parser is not None
                                                 and self.reasoning_parser.prompt_opens_reasoning(ids)))
-        return text, ids, params, mode
+        return text, ids, params, mode, mm
+
+    async def _prepare_async(self, request: ChatCompletionRequest):
+        """_prepare, on a worker thread for a vision-language model (images are fetched
+        and preprocessed there, never in the event loop)."""
+        if self.mm_processor is None:
+            return self._prepare(request)
+        return await asyncio.to_thread(self._prepare, request)
 
     def output_shaper(self, mode: ChatOutputMode) -> ChatOutputShaper:
         return ChatOutputShaper(mode, tool_parser=self.tool_parser, reasoning_parser=self.reasoning_parser)
@@ -209,14 +224,14 @@ class OpenAIServingChat(OpenAIServing):
         self.check_capacity(request.n or 1)
         if request.use_beam_search:
             return await self._beam_search(request, raw_request, lora)
-        _, ids, params, mode = self._prepare(request)
+        _, ids, params, mode, mm = await self._prepare_async(request)
         self.check_capacity(params.n)
         shaper = self.output_shaper(mode)
         request_id, engine_id = self.request_ids("chatcmpl", request, raw_request)
         created = int(time.time())
         gen = self.engine_client.generate(ids, params, engine_id, priority=request.priority,
                                           cache_salt=request.cache_salt, lora_request=lora,
-                                          trace_headers=TRACE_HEADERS.get())
+                                          trace_headers=TRACE_HEADERS.get(), **({"mm": mm} if mm else {}))
         merged = merge_async_iterators(gen)
         if request.stream:
             chunks = self._stream(request, request_id, created, ids, merged, shaper)
@@ -227,7 +242,9 @@ class OpenAIServingChat(OpenAIServing):
         """use_beam_search: the n best beams as the n choices (plain text: no tool parsing)."""
         if request.logprobs:
             raise bad_request("logprobs are not returned with use_beam_search", "logprobs")
-        _, ids, params, _ = self._prepare(request.model_copy(update={"n": 1}))
+        _, ids, params, _, mm = await self._prepare_async(request.model_copy(update={"n": 1}))
+        if mm is not None:
+            raise bad_request("use_beam_search does not take images yet.", "use_beam_search")
         request_id, engine_id = self.request_ids("chatcmpl", request, raw_request)
         beams = await self.beam_search(ids, request, params.max_tokens, engine_id, lora)
         choices = [ChatCompletionResponseChoice(index=j, message=ChatMessage(role="assistant", content=seq.text),

@@ -12,6 +12,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.multimodal.chat import split_content
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from server.errors import (
@@ -184,6 +185,42 @@ class OpenAIServing:
                 raise bad_request(msg, constraint.param) from e
             raise bad_request(msg, guess_param(msg, fields)) from e
 
+    @property
+    def mm_processor(self):
+        """The model's image processor (jaxserve/multimodal/processor.py), None for a text model."""
+        return getattr(self.engine_client.input_processor, "mm_processor", None)
+
+    def load_images(self, images: list) -> list:
+        """(where, URL) pairs -> decoded RGB images, under the server's media rules; a
+        400 naming the part for a blocked URL, an unreadable image or too many. Blocking
+        (fetches, decodes): call it on a worker thread. A URL must be a string here."""
+        from jaxserve.multimodal.image import load_image
+        from jaxserve.multimodal.media import MediaPolicy
+
+        limit = self.mm_processor.limit_per_prompt
+        if len(images) > limit:
+            raise bad_request(f"at most {limit} images per prompt are accepted (--limit-mm-per-prompt), "
+                              f"got {len(images)}.", "messages")
+        policy = MediaPolicy(allowed_domains=self.limits.allowed_media_domains,
+                             allowed_local_path=self.limits.allowed_local_media_path)
+        out = []
+        for where, url in images:
+            try:
+                if not isinstance(url, str):
+                    raise ValueError("image_url.url must be a string")
+                out.append(load_image(policy.fetch(url)))
+            except ValueError as e:
+                raise bad_request(f"{where}: {e}", "messages") from e
+        return out
+
+    def expand_images(self, ids: list[int], images: list):
+        """Token ids with one placeholder per image -> (expanded ids, MultiModalPrompt);
+        a 400 when they do not match. Blocking (preprocessing): a worker thread's."""
+        try:
+            return self.mm_processor.process(ids, images)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from e
+
     def tokenize_prompt(self, prompt, *, add_special_tokens: bool) -> tuple[str | None, list[int]]:
         try:
             return self.engine_client.input_processor.tokenize(
@@ -193,22 +230,21 @@ class OpenAIServing:
             raise bad_request(str(e), "prompt") from e
 
     @staticmethod
-    def message_dicts(messages) -> list[dict[str, Any]]:
-        """Pydantic messages -> template dicts; text parts are joined with newlines."""
+    def message_dicts(messages, images: list | None = None) -> list[dict[str, Any]]:
+        """Pydantic messages -> template dicts; text parts are joined with newlines.
+        ``images``: for a vision-language model, a list that receives each image_url
+        part's URL in order, its place in the message kept as an {"type": "image"} part
+        (what the model's chat template turns into its image placeholder); None: image
+        parts are a 400."""
         out = []
         for i, m in enumerate(messages):
             d = m.model_dump(exclude_none=True)
             content = m.content
             if isinstance(content, list):
-                texts = []
-                for part in content:
-                    kind = part.get("type")
-                    if kind in ("text", "input_text", None) and isinstance(part.get("text"), str):
-                        texts.append(part["text"])
-                    else:
-                        raise bad_request(f"messages[{i}]: content part of type {kind!r} is not supported "
-                                          "(jaxserve serves text-only models).", "messages")
-                d["content"] = "\n".join(texts)
+                try:
+                    d["content"] = split_content(content, f"messages[{i}]", images)
+                except ValueError as e:
+                    raise bad_request(str(e), "messages") from e
             elif content is None:
                 d["content"] = ""
             if m.tool_calls:
@@ -236,9 +272,10 @@ class OpenAIServing:
         call["function"] = fn
         return call
 
-    def render_chat(self, request) -> str:
+    def render_chat(self, request, images: list | None = None) -> str:
         """Apply the chat template (HTTP 400 when the template rejects the conversation).
-        A request's own chat_template only with --trust-request-chat-template."""
+        A request's own chat_template only with --trust-request-chat-template.
+        ``images``: receives the image parts (message_dicts)."""
         if request.chat_template is not None and not self.limits.trust_request_chat_template:
             raise bad_request("A chat_template was passed with the request, but the server does not run a client's "
                               "template (start it with --trust-request-chat-template to allow that).",
@@ -254,7 +291,7 @@ class OpenAIServing:
             kwargs["tools"] = tools
         try:
             text = self.tokenizer.apply_chat_template(
-                self.message_dicts(request.messages), tokenize=False,
+                self.message_dicts(request.messages, images), tokenize=False,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template=request.chat_template or self.chat_template, **kwargs)

@@ -69,6 +69,7 @@ class AddRequest:
     lora_request: object = None  # jaxserve.lora.LoRARequest, read and checked by the caller already
     token_type_ids: list[int] | None = None  # a pooling pair's (LLMEngine.prepare_pooling)
     trace_headers: dict[str, str] | None = None  # the caller's trace context (tracing)
+    mm: object = None  # its images (jaxserve.multimodal.inputs.MultiModalPrompt), preprocessed by the caller
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +213,7 @@ class AsyncLLM:
                        cache_salt: str | None = None, add_special_tokens: bool = True,
                        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
                        lora_request=None, trace_headers: Mapping[str, str] | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
+                       mm=None) -> AsyncIterator[RequestOutput]:
         """Yields RequestOutputs as the engine produces them; the last has finished=True.
 
         DELTA (the default): each output holds only what is new (for n > 1, one
@@ -220,18 +221,24 @@ class AsyncLLM:
         output at the end. Validation errors are raised on the first iteration, before
         the request reaches the engine. Closing or cancelling the iterator aborts the
         request. ``trace_headers``: the caller's W3C trace context (traceparent /
-        tracestate), the parent of the request's span under --otlp-traces-endpoint."""
+        tracestate), the parent of the request's span under --otlp-traces-endpoint.
+        Images: a prompt dict's ``multi_modal_data`` (preprocessed on a worker thread), or
+        ``mm``, a MultiModalPrompt the caller made (the server's) with ``prompt`` the
+        expanded token ids."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         self.check_health()
         text, ids = self.process_inputs(prompt, sampling_params, add_special_tokens=add_special_tokens)
+        if mm is None and isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            ids, mm = await asyncio.to_thread(self.input_processor.process_images, prompt, ids)
+            self.input_processor.validate(ids, sampling_params)
         if lora_request is not None:
             # Read and checked here (off the event loop on first use), not in the engine thread.
             await self.add_lora(lora_request)
         params = sampling_params.replace(output_kind=output_kind)
         stream = self._open_stream(request_id, params.n, text, ids)
         self._post(AddRequest(stream, text, ids, params, priority, cache_salt, lora_request,
-                              trace_headers=self._trace_headers(trace_headers)))
+                              trace_headers=self._trace_headers(trace_headers), mm=mm))
         finished = False
         seen_finished: set[int] = set()  # choices whose finish the caller has been given
         try:
@@ -550,7 +557,7 @@ class AsyncLLM:
                                                       cmd.params, priority=cmd.priority, cache_salt=cmd.cache_salt,
                                                       stream=stream, lora_request=cmd.lora_request,
                                                       arrival_time=stream.arrival_time,
-                                                      trace_headers=cmd.trace_headers)
+                                                      trace_headers=cmd.trace_headers, mm=cmd.mm)
             except (ValueError, TypeError) as e:
                 self._send(stream, e)
         elif isinstance(cmd, EngineCall):

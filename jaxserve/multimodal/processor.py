@@ -11,6 +11,7 @@ from pathlib import Path
 
 from jaxserve.multimodal.image import image_hash, load_image
 from jaxserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt
+from jaxserve.multimodal.media import MediaPolicy
 from jaxserve.multimodal.qwen2_vl import Qwen2VLImageProcessor, mrope_positions
 
 class MultiModalProcessor:
@@ -50,6 +51,8 @@ class MultiModalProcessor:
         out, features, prev = [], [], 0
         for k, (slot, source) in enumerate(zip(slots, images)):
             try:
+                if isinstance(source, str) and not source.startswith("data:"):
+                    source = MediaPolicy().fetch(source)  # offline: http(s) from any host, no local files
                 img = load_image(source)
                 processed = self.image_processor(img)
             except ValueError as e:

@@ -168,6 +168,12 @@ def _write_tokenizer(path: Path, vocab: int, named: dict[int, str] | None = None
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
                           "{% if add_generation_prompt %}w3 {% endif %}")
+    if named:  # a VLM: content parts, an image as Qwen's <|vision_start|><|image_pad|><|vision_end|>
+        fast.chat_template = (
+            "{% for m in messages %}{{ m['role'] }} {% if m['content'] is string %}{{ m['content'] }}"
+            "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+            "<|vision_start|> <|image_pad|> <|vision_end|>{% else %}{{ p['text'] }}{% endif %} {% endfor %}"
+            "{% endif %} {% endfor %}{% if add_generation_prompt %}w3 {% endif %}")
     fast.save_pretrained(path)
 
 
