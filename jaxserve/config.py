@@ -50,7 +50,7 @@ class SchedulerConfig:
     async_scheduling: bool = False
     # Vision-language models: the image tokens the vision tower may encode per step, and
     # the rows of the encoder-output buffer (vLLM's max_num_encoder_input_tokens and
-    # encoder_cache_size); 0: max_num_batched_tokens, as vLLM's defaults.
+    # encoder_cache_size); 0: max_num_batched_tokens, and the encoder budget (vLLM's defaults).
     max_num_encoder_input_tokens: int = 0
     encoder_cache_size: int = 0
 
@@ -81,8 +81,8 @@ class SchedulerConfig:
 
     @property
     def encoder_cache_rows(self) -> int:
-        """Rows (image tokens) of the encoder-output buffer."""
-        return self.encoder_cache_size or self.max_num_batched_tokens
+        """Rows (image tokens) of the encoder-output buffer (0: the encoder budget)."""
+        return self.encoder_cache_size or self.encoder_budget
 
 
 @dataclass(frozen=True, kw_only=True)

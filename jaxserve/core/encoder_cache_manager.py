@@ -27,12 +27,14 @@ class EncoderCacheManager:
         return mm_hash in self.rows
 
     def reference(self, mm_hash: str, req_id: str) -> None:
-        """``req_id`` uses the cached image ``mm_hash``."""
+        """``req_id`` uses the cached image ``mm_hash`` (encoded earlier, or this step
+        for another request: either way not encoded for it)."""
         users = self.refs.setdefault(mm_hash, set())
         if req_id not in users:
             if not users:
                 self.unreferenced.pop(mm_hash, None)
             users.add(req_id)
+            self.num_reused += 1
 
     def can_allocate(self, length: int) -> bool:
         """Rows for an image of ``length`` tokens are free or can be freed."""

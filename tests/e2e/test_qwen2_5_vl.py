@@ -221,3 +221,25 @@ def test_bad_image_inputs_are_value_errors(vl_model, tiny_models):
     text_only = make_vl_llm(tiny_models("llama"))
     with pytest.raises(ValueError, match="text only"):
         text_only.generate({"prompt_token_ids": [1, 5], "multi_modal_data": {"image": img}}, sp)
+
+
+def test_chat_with_image_parts(vl_model, hf):
+    """LLM.chat: an image_url part (base64 PNG) and an offline image part give the
+    chat template's placeholders, and HF's tokens for the rendered prompt."""
+    import base64
+    import io
+
+    llm = make_vl_llm(vl_model)
+    img = images((84, 84), seed=6)[0]
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    sp = SamplingParams(max_tokens=5, temperature=0.0)
+    by_url, by_image = (llm.chat([{"role": "user", "content": [{"type": "text", "text": "w7 w8"}, part]}], sp)[0]
+                        for part in ({"type": "image_url", "image_url": {"url": url}}, {"type": "image", "image": img}))
+    assert by_url.prompt_token_ids == by_image.prompt_token_ids
+    assert by_url.outputs[0].token_ids == by_image.outputs[0].token_ids
+    ids = list(by_url.prompt_token_ids)
+    assert ids.count(VL_IMAGE_TOKEN) == 9 and START in ids and END in ids
+    assert list(by_url.outputs[0].token_ids) == hf_greedy(hf, vl_model, ids, [img], 5)
+    assert llm.llm_engine.model_runner.encoder.num_encoded == 1

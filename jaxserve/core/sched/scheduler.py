@@ -504,7 +504,6 @@ class Scheduler:
                 if f in to_encode:
                     continue
                 self.encoder_cache.reference(f.mm_hash, request.request_id)
-                self.encoder_cache.num_reused += f.mm_hash not in self._step_encodes
         return spent
 
     def _encoder_rows(self, num_scheduled_tokens: dict[str, int]) -> dict[str, list[int]]:

@@ -1,0 +1,101 @@
+"""Images in the scheduler (issue 36): the encoder budget per step, the encoder-output
+cache's reuse and eviction, and image hashes in the prefix cache's block hashes."""
+from __future__ import annotations
+
+import numpy as np
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.core.encoder_cache_manager import EncoderCacheManager
+from jaxserve.core.kv_cache_utils import get_request_block_hasher
+from jaxserve.core.sched.scheduler import Scheduler
+from jaxserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt
+from jaxserve.request import Request
+from jaxserve.sampling_params import SamplingParams
+from tests.core.factories import assert_scheduler_empty, run_step
+
+IMG = 900
+
+
+def image_request(req_id, layout, *, hashes, block_size=16):
+    """layout: text token counts and image lengths alternating, e.g. [3, 20, 2]: 3 text
+    tokens, a 20-token image, 2 text tokens; ``hashes``: one per image."""
+    ids, feats, h = [], [], iter(hashes)
+    for k, n in enumerate(layout):
+        if k % 2:
+            feats.append(MultiModalFeature(len(ids), n, next(h), np.zeros((4 * n, 1), np.float32), (1, 2, 2 * n)))
+            ids += [IMG] * n
+        else:
+            ids += list(range(1000 + len(ids), 1000 + len(ids) + n))
+    return Request(str(req_id), ids, SamplingParams(max_tokens=2), 0, block_hasher=get_request_block_hasher(block_size),
+                   mm=MultiModalPrompt(tuple(feats)))
+
+
+def scheduler(*, budget_tokens=64, encoder_budget=0, encoder_cache=0, num_blocks=32):
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget_tokens, max_model_len=512,
+                                     max_num_encoder_input_tokens=encoder_budget, encoder_cache_size=encoder_cache),
+                     CacheConfig(block_size=16), num_blocks, check_invariants=True)
+
+
+def test_cache_manager_reuses_then_evicts_oldest_unreferenced():
+    m = EncoderCacheManager(10)
+    a = m.allocate("a", 4, "r1")
+    b = m.allocate("b", 4, "r1")
+    assert sorted(a + b) == list(range(8)) and m.num_encoded == 2
+    m.release_all("r1", ["a", "b"])
+    m.reference("a", "r2")  # a cached image used again: not evictable
+    assert m.can_allocate(6) and not m.can_allocate(7)
+    c = m.allocate("c", 6, "r3")  # evicts b (unreferenced), keeps a
+    assert m.has("a") and not m.has("b") and set(c) >= set(b)
+    m.drop("c")
+    assert not m.has("c") and len(m.free_rows) == 6 and m.num_encoded == 2
+
+
+def test_encoder_budget_stops_the_chunk_before_an_image():
+    s = scheduler(encoder_budget=20, encoder_cache=40)
+    s.add_request(image_request("a", [3, 20, 2], hashes=["x"]))
+    s.add_request(image_request("b", [2, 20, 2], hashes=["y"]))
+    so, _ = run_step(s)
+    # a's image takes the whole encoder budget: b stops before its image (2 text tokens).
+    assert list(so.scheduled_encoder_inputs) == ["x"] and so.num_scheduled_tokens == {"a": 25, "b": 2}
+    assert so.encoder_rows == {"x": so.scheduled_encoder_inputs["x"][1]}
+    so, _ = run_step(s)
+    assert list(so.scheduled_encoder_inputs) == ["y"] and so.num_scheduled_tokens["b"] == 22
+    while s.has_requests():
+        run_step(s)
+    assert_scheduler_empty(s)
+    assert s.encoder_cache.num_encoded == 2
+
+
+def test_an_image_shared_by_two_requests_is_encoded_once():
+    s = scheduler()
+    s.add_request(image_request("a", [3, 20, 2], hashes=["x"]))
+    s.add_request(image_request("b", [5, 20, 1], hashes=["x"]))
+    so, _ = run_step(s)
+    assert list(so.scheduled_encoder_inputs) == ["x"] and set(so.num_scheduled_tokens) == {"a", "b"}
+    while s.has_requests():
+        run_step(s)
+    assert s.encoder_cache.num_encoded == 1 and s.encoder_cache.num_reused == 1
+    # Kept after both finished: a later request with the image does not encode it.
+    s.add_request(image_request("c", [1, 20, 1], hashes=["x"]))
+    so, _ = run_step(s)
+    assert not so.scheduled_encoder_inputs and so.encoder_rows["x"]
+
+
+def test_chunks_through_an_image_encode_it_once():
+    s = scheduler(budget_tokens=8, encoder_budget=32)
+    s.add_request(image_request("a", [4, 20, 4], hashes=["x"]))
+    encodes = []
+    while s.has_requests():
+        so, _ = run_step(s)
+        encodes += list(so.scheduled_encoder_inputs)
+        if "a" in so.num_scheduled_tokens and so.num_scheduled_tokens["a"] > 1:
+            assert "x" in so.encoder_rows or so.scheduled_encoder_inputs == {}
+    assert encodes == ["x"]
+
+
+def test_block_hashes_carry_the_image_hash():
+    a = image_request("a", [3, 20, 9], hashes=["x"])
+    b = image_request("b", [3, 20, 9], hashes=["y"])
+    c = image_request("c", [3, 20, 9], hashes=["x"])
+    assert a.prompt_token_ids == b.prompt_token_ids
+    assert a.block_hashes[0] != b.block_hashes[0] and a.block_hashes == c.block_hashes
