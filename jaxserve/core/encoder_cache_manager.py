@@ -1,5 +1,5 @@
 """EncoderCacheManager: which images' vision-tower outputs sit in the runner's
-encoder-output buffer, and where (vLLM's encoder cache manager; docs/design.md §20).
+encoder-output buffer, and where (vLLM's encoder cache manager; docs/design.md §13).
 
 The buffer has ``capacity`` rows, one per image token. An image is encoded once into
 rows the manager picks and is named by its hash, so an image that several requests

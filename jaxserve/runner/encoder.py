@@ -1,4 +1,4 @@
-"""The vision tower's program and the encoder-output buffer (docs/design.md §20).
+"""The vision tower's program and the encoder-output buffer (docs/design.md §13).
 
 The scheduler picks which images to encode each step and their rows of the buffer
 (jaxserve/core/encoder_cache_manager.py); before the step's model step the runner
