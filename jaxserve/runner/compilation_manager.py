@@ -27,8 +27,8 @@ from tqdm.auto import tqdm
 
 from jaxserve.runner.bucketing import MIN_TOKEN_BUCKET, BucketTable
 from jaxserve.runner.executable_cache import ExecutableCache, fingerprint
-from jaxserve.runner.program_key import (DraftKey, ModelStepKey, PoolKey, ProgramKey, PromptLogprobsKey, SampleKey,
-                                         VerifyKey)
+from jaxserve.runner.program_key import (DraftKey, EncoderKey, ModelStepKey, PoolKey, ProgramKey, PromptLogprobsKey,
+                                         SampleKey, VerifyKey)
 
 logger = logging.getLogger("jaxserve")
 
@@ -228,6 +228,8 @@ class CompilationManager:
             stages.append(stage)
         if r.draft is not None:
             stages[0] += [DraftKey(t) for t in r.draft.buckets]
+        if r.encoder is not None:
+            stages[0] += r.encoder.keys()
         return stages
 
     def _compile_stage(self, keys: list[ProgramKey], desc: str | None) -> None:
@@ -272,6 +274,8 @@ class CompilationManager:
             for key in samplers:
                 pending.append(compile_async(key, self._lower(key, r.state, hidden_last,
                                                               *self._abstract_sampler_inputs(key))))
+            pending += [compile_async(key, self._lower(key, r.state, *r.encoder.abstract_inputs(key)))
+                        for key in by_kind.get(EncoderKey, [])]
             for f in pending:
                 f.result()  # re-raises a failed compile here
 

@@ -37,7 +37,7 @@ from jaxserve.runner.dtypes import resolve_dtype, resolve_kv_cache_dtype, resolv
 from jaxserve.runner.input_batch import CachedRequestState, InputBatch
 from jaxserve.runner.kv_cache import allocate_kv_cache, kv_cache_layout
 from jaxserve.runner.packed_inputs import PackedLayout
-from jaxserve.runner.program_key import DraftKey, PoolKey, ProgramKey, PromptLogprobsKey, VerifyKey
+from jaxserve.runner.program_key import DraftKey, EncoderKey, PoolKey, ProgramKey, PromptLogprobsKey, VerifyKey
 from jaxserve.runner.programs import ProgramInputs, build_step_programs
 from jaxserve.runner.setup import (kv_cache_blocks, load_draft_model, load_target_model, make_mesh,
                                    make_ngram_proposer)
@@ -174,6 +174,8 @@ class ModelRunner:
                                            arch=self.arch)
         if self.draft is not None:
             self._jitted[DraftKey] = self.draft.jitted
+        if self.encoder is not None:
+            self._jitted[EncoderKey] = self.encoder.jitted
         # Device constants standing in for the sampler's wide inputs when a step does not
         # use them, by rows (DP*Rb): (token history [rows, 1], all-allowed grammar bitmask).
         self._unused_wide: dict[int, tuple[jax.Array, jax.Array]] = {}

@@ -70,7 +70,19 @@ class DraftKey:
         return {}
 
 
-ProgramKey = ModelStepKey | SampleKey | PromptLogprobsKey | VerifyKey | DraftKey
+@dataclass(frozen=True, slots=True)
+class EncoderKey:
+    """A vision-language model's tower over ``num_windows`` attention windows of
+    ``window_len`` patches each (runner/encoder.py)."""
+
+    num_windows: int
+    window_len: int
+
+    def static_args(self) -> dict:
+        return {"window_len": self.window_len}
+
+
+ProgramKey = ModelStepKey | SampleKey | PromptLogprobsKey | VerifyKey | DraftKey | EncoderKey
 
 
 @dataclass(frozen=True, slots=True)

@@ -243,3 +243,23 @@ def test_chat_with_image_parts(vl_model, hf):
     assert ids.count(VL_IMAGE_TOKEN) == 9 and START in ids and END in ids
     assert list(by_url.outputs[0].token_ids) == hf_greedy(hf, vl_model, ids, [img], 5)
     assert llm.llm_engine.model_runner.encoder.num_encoded == 1
+
+
+def test_no_compiles_after_warmup_with_images(vl_model, hf):
+    """Compiled steps (not eager): the warm-up compiles the tower's window buckets, and
+    serving images of several sizes, one and several per step, compiles nothing; the
+    compiled programs give HF's tokens."""
+    from compile_counter import count_compiles
+
+    llm = make_vl_llm(vl_model, enforce_eager=False)
+    runner = llm.llm_engine.model_runner
+    assert runner.encoder.keys() and all(k in runner.compilation.executables for k in runner.encoder.keys())
+    imgs = images((224, 224), (56, 56), (100, 150), (60, 200), seed=7)
+    sp = SamplingParams(max_tokens=4, temperature=0.0)
+    with count_compiles(runner) as compiled:
+        outs = llm.generate([{"prompt_token_ids": [1, 5] + IMG + [6], "multi_modal_data": {"image": im}}
+                             for im in imgs] + [{"prompt_token_ids": [1] + IMG + IMG + [7],
+                                                 "multi_modal_data": {"image": imgs[1:3]}}], sp)
+    assert compiled == [0, 0], f"(backend compiles, new variants) after warm-up: {compiled}"
+    for out, im in zip(outs, imgs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, vl_model, list(out.prompt_token_ids), [im], 4)
