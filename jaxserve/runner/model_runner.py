@@ -111,6 +111,9 @@ class ModelRunner:
                                  "vision-language model supports method 'ngram' only")
             if mc.pooler_config is not None:
                 raise ValueError("a vision-language model is served with runner 'generate', not 'pooling'")
+            # One encoder-output buffer, whose rows one scheduler hands out.
+            if self.dp > 1 or self._multihost:
+                raise ValueError("a vision-language model runs with data_parallel_size 1 on one host for now")
             self.encoder = EncoderRunner(self, config.scheduler_config.encoder_cache_rows)
         self.weights = WeightUpdater(self)  # live updates, sleep / wake (runner/weight_update.py)
         self.sleep_level = 0  # 0 awake; 1 the KV cache freed; 2 the weights too
