@@ -13,6 +13,7 @@ from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core import pause_mode
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.multimodal.chat import split_content
+from jaxserve.multimodal.processor import prompt_images
 from jaxserve.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
                               RequestOutput, ScoringOutput, ScoringRequestOutput)
 from jaxserve.pooling_params import PoolingParams
@@ -274,6 +275,8 @@ class LLM:
 
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if any(prompt_images(p) for p in prompts):
+            raise ValueError("multi_modal_data: beam search does not take images yet")
         width = 2 * params.beam_width
         if width > self.config.model_config.max_logprobs:
             raise ValueError(f"beam_width={params.beam_width}: a step asks for 2 * beam_width = {width} logprobs, "

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from jaxserve.config import EngineConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.input_processor import InputProcessor
-from jaxserve.multimodal.processor import MultiModalProcessor
+from jaxserve.multimodal.processor import MultiModalProcessor, prompt_images
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.fault_injection import FaultInjector
 from jaxserve.outputs import RequestFailedError, RequestOutput
@@ -210,6 +210,8 @@ class LLMEngine:
             if arch.type_vocab_size > 1 and any(enc.get("token_type_ids") or ()):
                 types = resolved.truncate(list(enc["token_type_ids"]), max_len)
         else:
+            if prompt_images(prompt):
+                raise ValueError("multi_modal_data: a pooling model takes text only")
             text, ids = input_processor.tokenize(prompt, add_special_tokens=add_special_tokens)
         ids = resolved.truncate(list(ids), max_len)
         input_processor.validate(ids, _POOLING_SAMPLING)

@@ -218,6 +218,11 @@ def test_bad_image_inputs_are_value_errors(vl_model, tiny_models):
         with pytest.raises(ValueError, match=msg):
             llm.generate(prompt, sp)
     assert llm.generate({"prompt_token_ids": [1] + IMG, "multi_modal_data": {"image": img}}, sp)[0].outputs
+    from jaxserve.beam_search import BeamSearchParams
+
+    with pytest.raises(ValueError, match="beam search does not take images"):
+        llm.beam_search({"prompt_token_ids": [1] + IMG, "multi_modal_data": {"image": img}},
+                        BeamSearchParams(beam_width=2, max_tokens=2))
     text_only = make_vl_llm(tiny_models("llama"))
     with pytest.raises(ValueError, match="text only"):
         text_only.generate({"prompt_token_ids": [1, 5], "multi_modal_data": {"image": img}}, sp)
@@ -263,3 +268,33 @@ def test_no_compiles_after_warmup_with_images(vl_model, hf):
     assert compiled == [0, 0], f"(backend compiles, new variants) after warm-up: {compiled}"
     for out, im in zip(outs, imgs):
         assert list(out.outputs[0].token_ids) == hf_greedy(hf, vl_model, list(out.prompt_token_ids), [im], 4)
+
+
+def test_hub_config_layout(vl_model, tmp_path):
+    """The Hub's Qwen2.5-VL folders (written by transformers 4): the decoder's fields at
+    the top of config.json with rope_scaling {"type": "mrope", "mrope_section"}, and
+    min_pixels / max_pixels in preprocessor_config.json. The same weights give the
+    same tokens as transformers 5's layout."""
+    import shutil
+
+    hub = tmp_path / "hub"
+    shutil.copytree(vl_model, hub)
+    cfg = json.loads((hub / "config.json").read_text())
+    text = cfg.pop("text_config")
+    rope = text.pop("rope_parameters")
+    legacy = {**text, **cfg, "rope_theta": rope["rope_theta"],
+              "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+    legacy["vision_config"].pop("rope_parameters", None)
+    (hub / "config.json").write_text(json.dumps(legacy))
+    pre = json.loads((hub / "preprocessor_config.json").read_text())
+    size = pre.pop("size")
+    pre.update(min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"],
+               image_processor_type="Qwen2_5_VLImageProcessor")
+    (hub / "preprocessor_config.json").write_text(json.dumps(pre))
+    img = images((140, 100), seed=8)
+    prompt = {"prompt_token_ids": [1, 5] + IMG + [6, 7], "multi_modal_data": {"image": img}}
+    sp = SamplingParams(max_tokens=5, temperature=0.0, prompt_logprobs=0)
+    new, old = (make_vl_llm(p).generate(prompt, sp)[0] for p in (vl_model, hub))
+    assert new.prompt_token_ids == old.prompt_token_ids and new.outputs[0].token_ids == old.outputs[0].token_ids
+    assert [list(d.values())[0].logprob if d else None for d in new.prompt_logprobs] == \
+        [list(d.values())[0].logprob if d else None for d in old.prompt_logprobs]
