@@ -201,6 +201,9 @@ class VisionConfig:
     in_channels: int = 3
     hidden_act: str = "silu"
     rope_theta: float = 10000.0
+    # Heads and MLP columns split over the 'model' axis (models/sharding.py sets it when
+    # tensor parallelism divides them; else the tower is replicated).
+    tensor_parallel: bool = False
 
     @property
     def head_dim(self) -> int:

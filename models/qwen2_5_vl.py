@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.base import Weight, make_param
+from models.base import MODEL, Weight, make_param
 from models.config import ModelArchConfig, VisionConfig
 from models.qwen2 import Qwen2ForCausalLM
 
@@ -47,10 +47,14 @@ def vision_config(cfg: dict) -> VisionConfig:
 
 
 def vision_weights(vc: VisionConfig, prefix: str = VISUAL) -> dict[str, Weight]:
-    """The tower's params, replicated, one set per block (``visual.{j}.*``)."""
+    """The tower's params, one set per block (``visual.{j}.*``): q / k / v read as row
+    blocks of the fused ``qkv``; under tensor parallelism (``vc.tensor_parallel``) the
+    heads and the MLP columns are split over 'model' (q / k / v / gate / up by columns,
+    proj / down by rows), the rest replicated."""
     C, I, O = str(vc.hidden_size), str(vc.intermediate_size), str(vc.out_hidden_size)
     M = str(vc.hidden_size * vc.spatial_merge_size ** 2)
     p = vc.patch_size
+    cols, rows, split = ((None, MODEL), (MODEL, None), (MODEL,)) if vc.tensor_parallel else (None, None, None)
     m = {"visual.patch_embed": Weight(prefix + "patch_embed.proj.weight",
                                       (C, str(vc.in_channels), str(vc.temporal_patch_size), str(p), str(p)))}
     for j in range(vc.depth):
@@ -58,14 +62,20 @@ def vision_weights(vc: VisionConfig, prefix: str = VISUAL) -> dict[str, Weight]:
         m |= {
             f"visual.{j}.norm1": Weight(b + "norm1.weight", (C,)),
             f"visual.{j}.norm2": Weight(b + "norm2.weight", (C,)),
-            f"visual.{j}.qkv": Weight(b + "attn.qkv.weight", (C, "3*" + C), transpose=True),
-            f"visual.{j}.qkv_bias": Weight(b + "attn.qkv.bias", ("3*" + C,)),
-            f"visual.{j}.proj": Weight(b + "attn.proj.weight", (C, C), transpose=True),
+            f"visual.{j}.proj": Weight(b + "attn.proj.weight", (C, C), rows, transpose=True),
             f"visual.{j}.proj_bias": Weight(b + "attn.proj.bias", (C,)),
         }
+        for k, name in enumerate("qkv"):
+            offset = str(k * vc.hidden_size)
+            m[f"visual.{j}.{name}"] = Weight(b + "attn.qkv.weight", (C, C), cols, transpose=True, row_offset=offset,
+                                             fused_rows="3*" + C)
+            m[f"visual.{j}.{name}_bias"] = Weight(b + "attn.qkv.bias", (C,), split, row_offset=offset,
+                                                  fused_rows="3*" + C)
         for name, (din, dout) in {"gate_proj": (C, I), "up_proj": (C, I), "down_proj": (I, C)}.items():
-            m[f"visual.{j}.{name}"] = Weight(b + f"mlp.{name}.weight", (din, dout), transpose=True)
-            m[f"visual.{j}.{name}_bias"] = Weight(b + f"mlp.{name}.bias", (dout,))
+            down = name == "down_proj"
+            m[f"visual.{j}.{name}"] = Weight(b + f"mlp.{name}.weight", (din, dout), rows if down else cols,
+                                             transpose=True)
+            m[f"visual.{j}.{name}_bias"] = Weight(b + f"mlp.{name}.bias", (dout,), None if down else split)
     m |= {
         "visual.merger_norm": Weight(prefix + "merger.ln_q.weight", (C,)),
         "visual.merger_fc1": Weight(prefix + "merger.mlp.0.weight", (M, M), transpose=True),
@@ -141,8 +151,8 @@ class VisionTower(nnx.Module):
 
         for j in range(vc.depth):
             h = _rms(x, p[f"{j}_norm1"])
-            qkv = (h @ p[f"{j}_qkv"] + p[f"{j}_qkv_bias"]).reshape(m, 3, heads, hd)
-            q, k, v = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2]
+            q, k, v = ((h @ p[f"{j}_{n}"] + p[f"{j}_{n}_bias"]).reshape(m, heads, hd) for n in "qkv")
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             if j in vc.fullatt_block_indexes:
                 o = full_attention(q, k, v)
             else:

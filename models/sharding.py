@@ -80,8 +80,12 @@ def arch_for_tensor_parallel(arch: ModelArchConfig, tp: int, model_cls=None, *,
         assert all(d == PADDED_VOCAB or PADDED_VOCAB not in d for d in w.dims), w
     k = arch.num_key_value_heads
     replicas = tp // k if tp > k else 1
+    vision = arch.vision
+    if vision is not None and tp > 1 and not vision.num_heads % tp and not vision.intermediate_size % tp:
+        # A vision tower's heads and MLP columns split too (Megatron-style; else replicated).
+        vision = dataclasses.replace(vision, tensor_parallel=True)
     return dataclasses.replace(arch, padded_vocab_size=-(-arch.vocab_size // tp) * tp,
-                               num_key_value_heads=k * replicas, kv_head_replicas=replicas)
+                               num_key_value_heads=k * replicas, kv_head_replicas=replicas, vision=vision)
 
 
 def source_indices(dim: str, arch: ModelArchConfig, start: int, stop: int) -> np.ndarray:

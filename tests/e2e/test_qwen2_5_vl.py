@@ -298,3 +298,28 @@ def test_hub_config_layout(vl_model, tmp_path):
     assert new.prompt_token_ids == old.prompt_token_ids and new.outputs[0].token_ids == old.outputs[0].token_ids
     assert [list(d.values())[0].logprob if d else None for d in new.prompt_logprobs] == \
         [list(d.values())[0].logprob if d else None for d in old.prompt_logprobs]
+
+
+@pytest.mark.devices(2)
+def test_tensor_parallel_matches_one_device(vl_model):
+    """tp 2: the tower's heads and MLP columns split over 'model' (q / k / v read as row
+    blocks of the fused qkv) and the decoder's as usual give the one-device tokens and
+    prompt logprobs, with two images."""
+    import jax
+
+    imgs = images((100, 150), (84, 56), seed=9)
+    prompt = {"prompt_token_ids": [1, 5] + IMG + [6] + IMG + [7, 8], "multi_modal_data": {"image": imgs}}
+    sp = SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=0)
+    res = []
+    for tp in (1, 2):
+        llm = make_vl_llm(vl_model, tensor_parallel_size=tp)
+        if tp == 2:
+            runner = llm.llm_engine.model_runner
+            assert runner.arch.vision.tensor_parallel
+            q = runner.state["visual"]["params"]["0_q"][...]
+            assert q.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+        out = llm.generate(prompt, sp)[0]
+        res.append((out.outputs[0].token_ids,
+                    [list(d.values())[0].logprob for d in out.prompt_logprobs[1:]]))
+    assert res[0][0] == res[1][0]
+    np.testing.assert_allclose(res[0][1], res[1][1], atol=1e-4)
