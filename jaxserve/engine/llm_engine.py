@@ -119,12 +119,18 @@ class LLMEngine:
 
     def get_metrics(self) -> dict:
         """Counters since start for offline use: ``spec_decode`` (SpecDecodingStats.summary())
-        when speculative decoding is on, ``num_steps``, ``num_preemptions``."""
+        when speculative decoding is on, ``num_steps``, ``num_preemptions``; for a
+        vision-language model ``encoder``: images encoded, and image uses served without
+        encoding (cached, or encoded once for several requests of a step)."""
         core = self.engine_core
         out = {"num_steps": core.num_steps, "num_preemptions": sum(s.num_preemptions for s in core.schedulers)}
         spec = core.spec_decoding_totals()
         if spec is not None:
             out["spec_decode"] = spec.summary()
+        if self.model_runner.encoder is not None:
+            caches = [s.encoder_cache for s in core.schedulers]
+            out["encoder"] = {"num_encoded": sum(c.num_encoded for c in caches),
+                              "num_reused": sum(c.num_reused for c in caches)}
         return out
 
     def make_stats(self) -> SchedulerStats:

@@ -187,6 +187,7 @@ def test_same_image_encoded_once_and_prefix_cache_keyed_by_image(vl_model, hf):
     both = llm.generate([{"prompt_token_ids": [1, 30] + IMG + [31], "multi_modal_data": {"image": z}},
                          {"prompt_token_ids": [1, 40, 41] + IMG + [42], "multi_modal_data": {"image": z}}], GREEDY)
     assert enc.num_encoded == 3
+    assert llm.llm_engine.get_metrics()["encoder"] == {"num_encoded": 3, "num_reused": 2}
     for out in both:
         check_against_hf(hf, vl_model, out, [z], GREEDY.max_tokens)
 

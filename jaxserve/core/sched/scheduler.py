@@ -481,8 +481,10 @@ class Scheduler:
         for f in request.mm.features:
             if f.offset >= num_computed + num_new_tokens:
                 break
+            # Computed already, cached (or given rows this step for another request), or
+            # earlier in this prompt.
             if f.end <= num_computed or self.encoder_cache.has(f.mm_hash) or any(
-                    g.mm_hash == f.mm_hash for g in to_encode) or f.mm_hash in self._step_encodes:
+                    g.mm_hash == f.mm_hash for g in to_encode):
                 continue
             if need + f.length > encoder_budget or not self.encoder_cache.can_allocate(need + f.length):
                 return min(num_new_tokens, max(f.offset - num_computed, 0)), to_encode
