@@ -105,8 +105,10 @@ def test_speculative_decoding_keeps_the_controls(llm, model):
     decoding without drafts gives (repetitive prompts, so drafts are proposed)."""
     spec = LLM(str(model), max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=8 << 20,
                compilation_cache=False, progress=False, dtype="float32",
+               # Every draft verified: the adaptive budget keeps drafts by measured step
+               # times, and on a loaded CI machine it kept none (a flake at 22c337d).
                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                   "prompt_lookup_max": 2})
+                                   "prompt_lookup_max": 2, "adaptive_drafts": False})
     prompts = [{"prompt_token_ids": [10, 11, 12, 10, 11, 12, 10, 11]}, {"prompt_token_ids": [20, 21, 20, 21, 20]}]
     params = [greedy(allowed_token_ids=[10, 11, 12, 13]), greedy(logit_bias={21: 4.0, 20: 4.0})]
     want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
