@@ -56,7 +56,9 @@ def test_chunked_prefill_budgets(model, alone, budget):
 
 
 def test_ngram_speculation_is_exact(model, alone):
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
+    # Every draft verified (adaptive_drafts off): the budget's choice goes by measured
+    # step times, and the accepted-drafts check below must not depend on the machine's load.
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "adaptive_drafts": False}
     llm = LLM(str(model), **{**ENGINE, "max_num_seqs": 8}, speculative_config=spec)
     assert _first(llm) == alone[1]
     assert _first(llm, OTHERS[:7]) == alone[1]
