@@ -25,9 +25,11 @@ from flax import nnx
 
 from models.base import MODEL, Weight, make_param
 from models.config import ModelArchConfig, VisionConfig
+from models.llama import rms_norm
 from models.qwen2 import Qwen2ForCausalLM
 
 VISUAL = "visual."
+_EPS = 1e-6  # the tower's RMSNorms (HF hard-codes it)
 _QUERY_WINDOWS = 8  # full-attention blocks attend this many windows of queries at a time
 
 
@@ -94,11 +96,6 @@ def _act(name: str, x):
     return jax.nn.gelu(x, approximate=name == "gelu_pytorch_tanh")
 
 
-def _rms(x, w, eps=1e-6):
-    xf = x.astype(jnp.float32)
-    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps) * w.astype(jnp.float32)).astype(x.dtype)
-
-
 def _rotate(x, cos, sin):
     """Rotate-half rotary in float32. x: [..., heads, H]; cos, sin: [..., 1, H]."""
     xf = x.astype(jnp.float32)
@@ -150,7 +147,7 @@ class VisionTower(nnx.Module):
             return jax.lax.map(group, (qp, ip)).reshape(-1, heads, hd)[:m]
 
         for j in range(vc.depth):
-            h = _rms(x, p[f"{j}_norm1"])
+            h = rms_norm(x, p[f"{j}_norm1"], _EPS)
             q, k, v = ((h @ p[f"{j}_{n}"] + p[f"{j}_{n}_bias"]).reshape(m, heads, hd) for n in "qkv")
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             if j in vc.fullatt_block_indexes:
@@ -160,11 +157,11 @@ class VisionTower(nnx.Module):
                 wmask = w(valid)[:, :, None] & w(valid)[:, None, :]
                 o = attend(w(q), w(k), w(v), wmask).reshape(m, heads, hd)
             x = x + (o.reshape(m, -1) @ p[f"{j}_proj"] + p[f"{j}_proj_bias"])
-            h = _rms(x, p[f"{j}_norm2"])
+            h = rms_norm(x, p[f"{j}_norm2"], _EPS)
             gate = h @ p[f"{j}_gate_proj"] + p[f"{j}_gate_proj_bias"]
             up = h @ p[f"{j}_up_proj"] + p[f"{j}_up_proj_bias"]
             x = x + (_act(vc.hidden_act, gate) * up) @ p[f"{j}_down_proj"] + p[f"{j}_down_proj_bias"]
-        h = _rms(x, p["merger_norm"]).reshape(m // vc.spatial_merge_size ** 2, -1)
+        h = rms_norm(x, p["merger_norm"], _EPS).reshape(m // vc.spatial_merge_size ** 2, -1)
         h = jax.nn.gelu(h @ p["merger_fc1"] + p["merger_fc1_bias"], approximate=False)
         return h @ p["merger_fc2"] + p["merger_fc2_bias"]  # [M / merge**2, out]
 
