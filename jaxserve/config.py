@@ -53,6 +53,10 @@ class SchedulerConfig:
     # encoder_cache_size); 0: max_num_batched_tokens, and the encoder budget (vLLM's defaults).
     max_num_encoder_input_tokens: int = 0
     encoder_cache_size: int = 0
+    # vLLM's disable_chunked_mm_input: a chunk never ends inside an image (it stops before
+    # the image instead). On for models whose image tokens attend to each other both ways
+    # (Gemma 3): the image's later tokens must be in the step that computes its first.
+    disable_chunked_mm_input: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

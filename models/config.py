@@ -108,6 +108,10 @@ class ModelArchConfig:
     vision: "VisionConfig | None" = None
     image_token_id: int | None = None
     mrope_section: tuple[int, ...] = ()
+    # Gemma 3: an image's tokens attend to each other both ways (every token of the image
+    # sees all of it, on sliding and global layers), so an image is never split across
+    # prefill chunks (the attention's keys_ahead, pallas_kernels/backend.py).
+    mm_bidirectional: bool = False
 
     def __post_init__(self) -> None:
         if self.padded_vocab_size is None:
@@ -186,7 +190,10 @@ def checkpoint_architecture(folder: Path, cfg: dict) -> str | None:
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """A Qwen2.5-VL vision tower (config.json's ``vision_config``)."""
+    """A vision tower (config.json's ``vision_config``): Qwen2.5-VL's windowed ViT
+    (``kind`` "qwen2_5_vl") or Gemma 3's SigLIP with its pooling projector ("siglip",
+    models/gemma3_vl.py: the window fields unused, ``image_size`` and
+    ``tokens_per_image`` set)."""
 
     depth: int
     hidden_size: int
@@ -204,6 +211,15 @@ class VisionConfig:
     # Heads and MLP columns split over the 'model' axis (models/sharding.py sets it when
     # tensor parallelism divides them; else the tower is replicated).
     tensor_parallel: bool = False
+    kind: str = "qwen2_5_vl"
+    # SigLIP (Gemma 3): the square input side in pixels, the tokens each image becomes
+    # after the projector's average pooling, the LayerNorms' epsilon, and the tokens that
+    # open and close an image in the prompt (the chat template writes the opening one).
+    image_size: int = 0
+    tokens_per_image: int = 0
+    layer_norm_eps: float = 1e-6
+    boi_token_id: int | None = None
+    eoi_token_id: int | None = None
 
     @property
     def head_dim(self) -> int:

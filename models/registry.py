@@ -11,6 +11,7 @@ import importlib
 _MODEL_REGISTRY = {
     "Gemma2ForCausalLM": ("models.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("models.gemma3", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("models.gemma3_vl", "Gemma3ForConditionalGeneration"),
     "GptOssForCausalLM": ("models.gpt_oss", "GptOssForCausalLM"),
     "DeepseekV2ForCausalLM": ("models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("models.deepseek", "DeepseekV3ForCausalLM"),

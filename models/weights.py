@@ -76,6 +76,19 @@ def _read_into(fd: int, buf: np.ndarray, offset: int) -> None:
         done += n
 
 
+# Checkpoint name prefixes read as another: the Hub's SigLIP towers (Gemma 3) nest their
+# tensors in ``vision_tower.vision_model.``, which transformers 5 writes without the
+# ``vision_model.`` (models/gemma3_vl.py names them so).
+_NAME_ALIASES = (("vision_tower.vision_model.", "vision_tower."),)
+
+
+def _canonical_name(name: str) -> str:
+    for prefix, canonical in _NAME_ALIASES:
+        if name.startswith(prefix):
+            return canonical + name[len(prefix):]
+    return name
+
+
 class SafetensorsCheckpoint:
     """The tensors of a folder's safetensors files by name; ``read`` returns one index
     range of a tensor. Only the headers are read up front.
@@ -94,6 +107,7 @@ class SafetensorsCheckpoint:
                 header = json.loads(f.read(size))
             for name, t in header.items():
                 if name != "__metadata__":
+                    name = _canonical_name(name)
                     self.tensors[name] = TensorInfo(path, t["dtype"], tuple(t["shape"]), 8 + size + t["data_offsets"][0])
         self.packed: dict[str, tuple[str, dict[str, TensorInfo]]] = {}  # name -> (format, its parts)
         self.views: dict[str, tuple[str, str]] = {}  # add_int4_views: view name -> (float view, part)

@@ -23,3 +23,6 @@ class AttentionMetadata:
     query_start_loc: jax.Array  # [Rmax+1] int32: cu_q_lens
     block_tables: jax.Array  # [Rmax, G, Pmax] int32: page indices per request
     num_seqs: jax.Array  # [1] int32: valid rows of the per-request arrays
+    # [T] int32 or None: how many keys past its own position each token also attends to
+    # (Gemma 3: an image token sees the rest of its image, all in this step). None: causal.
+    keys_ahead: jax.Array | None = None

@@ -12,11 +12,14 @@ block_tables [R, G, Pmax], num_seqs; G: the KV cache groups.) ``get_attention_fn
 reference's signature::
 
     fn(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-       sm_scale, sliding_window=None, soft_cap=None, layer=None, sinks=None) -> o
+       sm_scale, sliding_window=None, soft_cap=None, layer=None, sinks=None, keys_ahead=None) -> o
 
 (``layer``: kv_cache is stacked [L, P, S, 2K, H] and layer ``layer`` is read in place;
 ``sinks``: [N] float32 attention sinks, one logit per query head in every softmax's
-denominator, reference.sink_factor.)
+denominator, reference.sink_factor; ``keys_ahead``: [T] int32, token t also sees the
+next keys_ahead[t] keys of its request past its own position, all written in this
+step (Gemma 3's images); the sliding window's start stays the token's own position
+minus the window, as HF's AND(window, OR(causal, image)).)
 """
 from __future__ import annotations
 
@@ -147,11 +150,12 @@ def _attention_fn(backend: str, plat: str, interpret, batch_invariant: bool = Fa
 
 def native_or_reference(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float,
                         sliding_window: int | None = None, soft_cap: float | None = None, layer=None,
-                        fixed_order: bool = False, sinks=None):
+                        fixed_order: bool = False, sinks=None, keys_ahead=None):
     """The "native" backend's kernel: the CPU kernel where it takes q's and the cache's
     dtypes and head dim (pallas_kernels/cpu.py), the reference otherwise (an error in
     batch-invariant mode, ``fixed_order``, which the reference cannot keep)."""
-    common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer, sinks=sinks)
+    common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer, sinks=sinks,
+                  keys_ahead=keys_ahead)
     if cpu.supports(q, kv_cache):
         return cpu.ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                                           fixed_order=fixed_order, **common)
@@ -223,9 +227,10 @@ def build_attention(spec: AttentionSpec, mesh: Mesh | None, *, sm_scale: float, 
 
     def run(window, q, kv_cache, layer, md, sinks):
         # A sink is a logit: k_scale (a float8 cache's, folded into sm_scale) does not touch it.
+        ahead = {} if md.keys_ahead is None else {"keys_ahead": md.keys_ahead}
         o = attend(q, kv_cache, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs.reshape(()),
                    sm_scale=sm_scale * k_scale, sliding_window=window, soft_cap=soft_cap, layer=layer,
-                   sinks=sinks)
+                   sinks=sinks, **ahead)
         return o if v_scale == 1.0 else (o * v_scale).astype(o.dtype)
 
     def lookup(table, layer):
@@ -256,19 +261,19 @@ def build_attention(spec: AttentionSpec, mesh: Mesh | None, *, sm_scale: float, 
     if mesh is None or mesh.size == 1:
         return local
     heads = _HEADS_PARTITION
-    md_specs = AttentionMetadata(*(_ROWS_PARTITION,) * 5)
     cache = kv_cache_partition(latent_kv)
     # A latent row (MLA) is every head's: whole on each 'model' device; v is None.
     kv = (P("data", None, None), None) if latent_kv else (heads, heads)
-    specs = (heads, *kv, cache, P(), md_specs)
-    plain = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(heads, cache), check_vma=False)
-    # Sinks [N] split over 'model' as the query heads are.
-    with_sinks = jax.shard_map(local, mesh=mesh, in_specs=specs + (P("model"),),
-                               out_specs=(heads, cache), check_vma=False)
+    mapped = {}
 
     def sharded(q, k, v, kv_cache, layer, md, sinks=None):
-        if sinks is None:
-            return plain(q, k, v, kv_cache, layer, md)
-        return with_sinks(q, k, v, kv_cache, layer, md, sinks)
+        # One shard_map per (sinks, keys_ahead) present: the specs follow the arguments'
+        # tree (sinks [N] split over 'model' as the query heads are; keys_ahead per token).
+        kind = (sinks is not None, md.keys_ahead is not None)
+        if kind not in mapped:
+            md_specs = AttentionMetadata(*(_ROWS_PARTITION,) * 5, keys_ahead=_ROWS_PARTITION if kind[1] else None)
+            specs = (heads, *kv, cache, P(), md_specs) + ((P("model"),) if kind[0] else ())
+            mapped[kind] = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(heads, cache), check_vma=False)
+        return mapped[kind](q, k, v, kv_cache, layer, md, *((sinks,) if kind[0] else ()))
 
     return sharded

@@ -163,7 +163,7 @@ def _byte_table(dtype) -> jax.Array:
 
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None, layer=None,
-                           fixed_order: bool = False, sinks=None):
+                           fixed_order: bool = False, sinks=None, keys_ahead=None):
     """reference.ragged_paged_attention's contract, as one native call (see the module docstring).
     ``fixed_order`` (batch-invariant mode): a query's scores are summed in one order
     whatever its request's query count (decode, speculative verify, prefill chunk); the
@@ -171,7 +171,8 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
 
     q: [T, N, H]; kv_cache: [P, S, 2K, H] (or [L, P, S, 2K, H] with ``layer``); kv_lens [R],
     page_indices [R, Pmax], cu_q_lens [R+1] int32; num_seqs int32 scalar; sinks: None or
-    [N] float32 (reference.sink_factor). Returns o [T, N, H].
+    [N] float32 (reference.sink_factor); keys_ahead: None or [T] int32 (the reference's).
+    Returns o [T, N, H].
     """
     validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, sliding_window=sliding_window, soft_cap=soft_cap)
     kind = _cache_kind(kv_cache.dtype)
@@ -184,9 +185,10 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
     return call(q, kv_cache, kv_lens, page_indices, cu_q_lens, jnp.reshape(num_seqs, (1,)).astype(jnp.int32),
                 layer_index(kv_cache, layer), _byte_table(kv_cache.dtype),
                 jnp.zeros((1,), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(-1),
+                jnp.zeros((1,), jnp.int32) if keys_ahead is None else jnp.asarray(keys_ahead, jnp.int32).reshape(-1),
                 sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
                 soft_cap=np.float32(soft_cap or 0.0), cache_kind=np.int32(kind), fixed_order=np.int32(bool(fixed_order)),
-                has_sinks=np.int32(sinks is not None))
+                has_sinks=np.int32(sinks is not None), has_ahead=np.int32(keys_ahead is not None))
 
 
 if __name__ == "__main__":

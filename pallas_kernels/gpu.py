@@ -70,10 +70,9 @@ def _kernel(
     layer_ref,  # [1] int32: layer of a stacked cache (unused otherwise)
     q_ref,  # [T_pad, N, H]
     kv_ref,  # [P, S, 2K, H] or stacked [L, P, S, 2K, H]
-    o_ref,  # [splits, T_pad, N, H] (normalised per split)
-    m_ref,  # [splits, T_pad, N] f32
-    l_ref,  # [splits, T_pad, N] f32
-    *,
+    *refs,  # with has_ahead: ahead_ref [T_pad] int32 (keys_ahead); then o_ref, m_ref, l_ref:
+    # [splits, T_pad, N, H] (normalised per split), [splits, T_pad, N] f32, the same
+    has_ahead: bool,
     bq: int,
     groups: int,
     gp: int,
@@ -82,6 +81,7 @@ def _kernel(
     sliding_window: int | None,
     soft_cap: float | None,
 ):
+    ahead_ref, (o_ref, m_ref, l_ref) = (refs[0], refs[1:]) if has_ahead else (None, refs)
     item, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_splits = pl.num_programs(2)
     _, page_size, two_k, head_dim = kv_ref.shape[-4:]
@@ -118,7 +118,13 @@ def _kernel(
     )
 
     # Keys this item can see, [kv_lo, kv_hi), cut into blocks and split across programs.
+    # keys_ahead: each row also sees that many keys past its own position.
+    hi = pos
+    if has_ahead:
+        hi = pos + plgpu.load(ahead_ref.at[tok], mask=row_ok, other=0)
     kv_hi = jnp.minimum(pos0 + nrows, kv_len)
+    if has_ahead:
+        kv_hi = jnp.minimum(jnp.maximum(kv_hi, jnp.max(jnp.where(row_ok, hi, 0)) + 1), kv_len)
     kv_lo = jnp.int32(0)
     if sliding_window is not None:
         kv_lo = jnp.maximum(pos0 - sliding_window + 1, 0)
@@ -150,7 +156,7 @@ def _kernel(
         s = s * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = key_ok[None, :] & (kpos[None, :] <= pos[:, None])
+        mask = key_ok[None, :] & (kpos[None, :] <= hi[:, None])
         if sliding_window is not None:
             mask = mask & (kpos[None, :] > pos[:, None] - sliding_window)
         s = jnp.where(mask, s, -jnp.inf)
@@ -200,8 +206,8 @@ def _work_items(cu_q_lens, kv_lens, num_seqs, num_items: int, bq: int):
     return jnp.stack([seq, q0, rows, pos0, kv_lens[seq]], axis=1).astype(jnp.int32)
 
 
-def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, sinks, *, rows, kv_splits, sm_scale,
-            sliding_window, soft_cap, interpret, num_warps, num_stages):
+def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, sinks, keys_ahead, *, rows, kv_splits,
+            sm_scale, sliding_window, soft_cap, interpret, num_warps, num_stages):
     t, n, h = q.shape
     k_heads = kv_cache.shape[-2] // rows_per_kv_head(kv_cache)
     groups = n // k_heads
@@ -213,8 +219,9 @@ def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, sink
     t_pad = t + bq
     q = jnp.pad(q, ((0, bq), (0, 0), (0, 0)))
     out_dtype = q.dtype if kv_splits == 1 else jnp.float32
+    ahead = () if keys_ahead is None else (jnp.pad(keys_ahead.astype(jnp.int32), (0, bq)),)
     kernel = functools.partial(
-        _kernel, bq=bq, groups=groups, gp=gp, head_dim_pad=max(_MIN_DOT, _next_pow2(h)),
+        _kernel, has_ahead=bool(ahead), bq=bq, groups=groups, gp=gp, head_dim_pad=max(_MIN_DOT, _next_pow2(h)),
         sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
     )
     o, m, l = pl.pallas_call(
@@ -228,7 +235,7 @@ def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, sink
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"ragged_paged_attention_gpu_bq{bq}_s{kv_splits}",
-    )(items, page_indices, layer, q, kv_cache)
+    )(items, page_indices, layer, q, kv_cache, *ahead)
     o, m, l = o[:, :t], m[:, :t], l[:, :t]
     if kv_splits == 1:
         o, m, l = o[0], m[0], l[0]
@@ -278,6 +285,7 @@ def ragged_paged_attention(
     num_stages: int = 2,
     layer=None,
     sinks=None,
+    keys_ahead=None,
 ):
     """Triton-style Pallas ragged paged attention; same arguments and result as the reference.
 
@@ -289,7 +297,8 @@ def ragged_paged_attention(
     ``layer`` (int32 scalar): ``kv_cache`` is the stacked [L, P, S, 2K, H] cache of a
     layer scan, read in place (a ``kv_cache[layer]`` slice would be a full copy).
     ``sinks`` [N] float32: attention sinks, applied to the merged softmax outside the
-    kernel (its m and l are outputs anyway; reference.sink_factor).
+    kernel (its m and l are outputs anyway; reference.sink_factor). ``keys_ahead`` [T]
+    int32: the reference's (Gemma 3's images).
     """
     validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, sliding_window=sliding_window, soft_cap=soft_cap)
     layer = layer_index(kv_cache, layer)
@@ -303,13 +312,13 @@ def ragged_paged_attention(
                   num_warps=num_warps, num_stages=num_stages)
 
     def decode():
-        return _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, sinks, rows=_MIN_DOT, kv_splits=splits, **common)
+        return _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, sinks, keys_ahead, rows=_MIN_DOT, kv_splits=splits, **common)
 
     def prefill():
-        return _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, sinks, rows=_PREFILL_ROWS, kv_splits=1, **common)
+        return _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, sinks, keys_ahead, rows=_PREFILL_ROWS, kv_splits=1, **common)
 
     if rows_per_block is not None:
-        o = _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, sinks, rows=rows_per_block,
+        o = _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, layer, sinks, keys_ahead, rows=rows_per_block,
                     kv_splits=kv_splits or 1, **common)
     else:
         q_lens = cu_q_lens[1:] - cu_q_lens[:-1]

@@ -131,6 +131,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     layer=None,
     sinks=None,
+    keys_ahead=None,
 ):
     """Causal attention of a ragged batch of queries against a paged KV cache.
 
@@ -143,6 +144,9 @@ def ragged_paged_attention(
     (pages are gathered straight from the stacked cache, no per-layer slice copy).
     ``sinks`` [N] float32 (GPT-OSS's attention sinks): one learned logit per query head
     that joins every softmax's denominator and attends to nothing (``sink_factor``).
+    ``keys_ahead`` [T] int32 (Gemma 3's images): token t also sees the next
+    keys_ahead[t] positions of its request, which this step writes; a sliding window
+    still starts from the token's own position.
     Returns o: [T, N, H] in q's dtype; padded tokens get zeros.
     """
     t, n, h = q.shape
@@ -156,13 +160,15 @@ def ragged_paged_attention(
     prefix_lens = jnp.where(jnp.arange(r) < num_seqs, kv_lens - q_lens, 0)  # keys cached before this step
     offset = jnp.arange(t) - cu_q_lens[req_c]  # index of the token within its request
     tok_pos = jnp.where(valid_tok, prefix_lens[req_c] + offset, -1).astype(jnp.int32)
+    # The last key each token sees (its own position unless keys_ahead).
+    tok_hi = None if keys_ahead is None else jnp.where(valid_tok, tok_pos + keys_ahead, -1).astype(jnp.int32)
     qs = (q.astype(jnp.float32) * sm_scale).reshape(t, k_heads, n // k_heads, h)
 
     kw = dict(sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)
     sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(k_heads, n // k_heads)
     if t <= r:
         # Decode-sized steps: every query against its pages, one (token, page) pair at a time.
-        m, l, acc = _attend_pairs(qs, kv_cache, page_indices, req_c, valid_tok, tok_pos, **kw)
+        m, l, acc = _attend_pairs(qs, kv_cache, page_indices, req_c, valid_tok, tok_pos, tok_hi=tok_hi, **kw)
         return _finish(m, l, acc, sinks).reshape(t, n, h).astype(q.dtype)
     if t < _SPLIT_TOKENS:
         # Smaller steps: one pass over the pages, every query up to its own position, in
@@ -170,10 +176,11 @@ def ragged_paged_attention(
         # steps; one pass compiles in about a quarter of the time (1.0-1.4 against 4.2 s
         # per program on the CI VM).
         m, l, acc = _attend_paged(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, req_c, valid_tok,
-                                  tok_pos, bq=_Q_BLOCK, through_own=True, **kw)
+                                  tok_pos, bq=_Q_BLOCK, through_own=True, tok_hi=tok_hi, **kw)
         return _finish(m, l, acc, sinks).reshape(t, n, h).astype(q.dtype)
 
-    m1, l1, acc1 = _attend_step_tokens(qs, kv_cache, page_indices, cu_q_lens, req, req_c, valid_tok, tok_pos, **kw)
+    m1, l1, acc1 = _attend_step_tokens(qs, kv_cache, page_indices, cu_q_lens, req, req_c, valid_tok, tok_pos,
+                                       tok_hi=tok_hi, **kw)
     # The prefix part in two passes: requests with a few queries (decode rows) in blocks
     # of one token, longer ones (continued chunks, prefix hits) in blocks of _Q_BLOCK so
     # that their pages are not gathered once per token. Every token is in one pass.
@@ -247,9 +254,10 @@ def _per_token(x, num_tokens):
 
 
 def _attend_step_tokens(qs, kv_cache, page_indices, cu_q_lens, req, req_c, valid_tok, tok_pos, *, sliding_window,
-                        soft_cap, layer):
+                        soft_cap, layer, tok_hi=None):
     """Attention of every query to the keys its request wrote in this step, up to its
-    own position. qs: [T, K, G, H] (scaled). Returns per token (m, l, acc):
+    own position (``tok_hi``: up to that position, which may lie ahead: then the tiles
+    after its own are read too). qs: [T, K, G, H] (scaled). Returns per token (m, l, acc):
     [T, K, G], [T, K, G], [T, K, G, H]."""
     t, k_heads, groups, h = qs.shape
     page_size = kv_cache.shape[-3]
@@ -275,6 +283,7 @@ def _attend_step_tokens(qs, kv_cache, page_indices, cu_q_lens, req, req_c, valid
     v_t = jnp.moveaxis(tiles(kv[:, :, pair - 1], 0.0), 1, 3)
     k_t, v_t = (jnp.concatenate([x, jnp.zeros_like(x[:1])]) for x in (k_t, v_t))
     pos_t = tiles(tok_pos, -1)  # [NT, Bt]
+    hi_t = pos_t if tok_hi is None else tiles(tok_hi, -1)
     qreq_t = tiles(jnp.where(valid_tok, req, -1), -1)
     kreq_t = jnp.concatenate([tiles(jnp.where(valid_tok, req, -2), -2), jnp.full((1, bt), -2, jnp.int32)])
     # Tile i reaches back to the tile where its first token's request starts (and no
@@ -284,6 +293,14 @@ def _attend_step_tokens(qs, kv_cache, page_indices, cu_q_lens, req, req_c, valid
     if sliding_window is not None:
         reach = jnp.minimum(reach, (sliding_window + bt - 2) // bt + 1)
     reach = jnp.where(qreq_t[:, 0] >= 0, reach, 0)
+    # ...and forward to the tile of the last key one of its tokens sees (keys_ahead): tile
+    # i reads tiles i + ahead, ..., i - reach + 1, each once.
+    if tok_hi is None:
+        ahead = jnp.zeros_like(reach)
+    else:
+        last_key = jnp.where(valid_tok, jnp.arange(t) + tok_hi - tok_pos, -1)  # its token index
+        ahead = jnp.clip(jnp.max(tiles(last_key, -1), axis=1) // bt - tile_ids, 0, nt - 1 - tile_ids)
+        reach = jnp.where(reach > 0, reach + ahead, 0)
 
     # Tiles by reach, longest first, in groups of gt: each group loops to its own reach,
     # and the group loop ends with the last group that has a query.
@@ -291,18 +308,22 @@ def _attend_step_tokens(qs, kv_cache, page_indices, cu_q_lens, req, req_c, valid
     ng = -(-nt // gt)
     order = jnp.pad(jnp.argsort(-reach, stable=True), (0, ng * gt - nt), constant_values=nt)
     reach = jnp.concatenate([reach, jnp.zeros((1,), reach.dtype)])
+    ahead = jnp.concatenate([ahead, jnp.zeros((1,), ahead.dtype)])
     num_groups = (jnp.sum(reach > 0) + gt - 1) // gt
 
     def group(g, out):
         tid = jax.lax.dynamic_slice_in_dim(order, g * gt, gt)  # [Gt]
         q_pos = pos_t.at[tid].get(mode="fill", fill_value=-1)  # [Gt, Bt]
+        q_hi = hi_t.at[tid].get(mode="fill", fill_value=-1)
         q_req = qreq_t.at[tid].get(mode="fill", fill_value=-1)
         qg = q_t.at[tid].get(mode="fill", fill_value=0.0)
+        g_ahead = ahead[tid]
 
         def body(j, carry):
-            src = jnp.where(tid - j >= 0, tid - j, nt)  # the key tile each query tile reads
+            src = tid + g_ahead - j
+            src = jnp.where(src >= 0, src, nt)  # the key tile each query tile reads
             kpos = pos_t.at[src].get(mode="fill", fill_value=-1)[:, None, :]
-            mask = (q_req[:, :, None] == kreq_t[src][:, None, :]) & (kpos <= q_pos[:, :, None])
+            mask = (q_req[:, :, None] == kreq_t[src][:, None, :]) & (kpos <= q_hi[:, :, None])
             if sliding_window is not None:
                 mask &= kpos > q_pos[:, :, None] - sliding_window
             s = jnp.einsum("ikqh,iklh->ikql", qg, k_t[src])  # [Gt, K, G*Bt, Bt]
@@ -321,11 +342,12 @@ def _attend_step_tokens(qs, kv_cache, page_indices, cu_q_lens, req, req_c, valid
 
 
 def _attend_paged(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, req_c, selected, tok_pos, *, bq,
-                  sliding_window, soft_cap, layer, through_own=False):
+                  sliding_window, soft_cap, layer, through_own=False, tok_hi=None):
     """Attention of the ``selected`` queries to their requests' keys cached before this
     step (``through_own``: up to each query's own position, this step's keys included),
     page by page, in blocks of ``bq`` consecutive tokens of one request (every token of a
-    selected request must be selected). Returns per token (m, l, acc) as
+    selected request must be selected; ``tok_hi`` with through_own: up to that position).
+    Returns per token (m, l, acc) as
     _attend_step_tokens (m = -inf and l = 0 for a query with nothing to attend or not
     selected)."""
     t, k_heads, groups, h = qs.shape
@@ -349,8 +371,10 @@ def _attend_paged(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, 
         blk_req = jnp.zeros((nb,), jnp.int32).at[bid].set(req_c, mode="drop")
     tok_pos = jnp.where(selected, tok_pos, -1)
     pos_b = jnp.concatenate([tok_pos, jnp.full((1,), -1, jnp.int32)])[tok_idx]  # [NB, Bq]; -1 = no query
+    hi_b = pos_b if tok_hi is None else jnp.concatenate([jnp.where(selected, tok_hi, -1),
+                                                         jnp.full((1,), -1, jnp.int32)])[tok_idx]
     # Keys each block reads: positions < its bound.
-    bound = jnp.max(pos_b, axis=1) + 1 if through_own else prefix_lens[blk_req]
+    bound = jnp.max(hi_b, axis=1) + 1 if through_own else prefix_lens[blk_req]
     blk_bound = jnp.where(pos_b[:, 0] >= 0, bound, 0)
 
     # Blocks by bound, longest first, in groups of gb: each group's page loop
@@ -361,7 +385,8 @@ def _attend_paged(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, 
     ng = -(-nb // gb)
     order = jnp.argsort(-blk_bound, stable=True)
     pad = lambda x, fill: jnp.pad(x[order], ((0, ng * gb - nb),) + ((0, 0),) * (x.ndim - 1), constant_values=fill)
-    tok_idx, pos_b, blk_bound, blk_req = pad(tok_idx, t), pad(pos_b, -1), pad(blk_bound, 0), pad(blk_req, 0)
+    tok_idx, pos_b, hi_b = pad(tok_idx, t), pad(pos_b, -1), pad(hi_b, -1)
+    blk_bound, blk_req = pad(blk_bound, 0), pad(blk_req, 0)
     num_groups = (jnp.sum(blk_bound > 0) + gb - 1) // gb
 
     chunk = pages_per_chunk(gb, page_size, kv_cache.shape[-2], h, pmax)
@@ -372,7 +397,7 @@ def _attend_paged(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, 
 
     def group(g, out):
         take = lambda x: jax.lax.dynamic_slice_in_dim(x, g * gb, gb, axis=0)
-        g_tok, g_pos, g_bound = take(tok_idx), take(pos_b), take(blk_bound)
+        g_tok, g_pos, g_hi, g_bound = take(tok_idx), take(pos_b), take(hi_b), take(blk_bound)
         g_pages = page_tab[take(blk_req)]  # [Gb, Pmax']
         qb = q_pad[g_tok]  # [Gb, Bq, K, G, H]
 
@@ -392,7 +417,7 @@ def _attend_paged(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, 
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             if through_own:
-                mask = in_ctx[:, None, :] & (kpos[None, None, :] <= g_pos[:, :, None])
+                mask = in_ctx[:, None, :] & (kpos[None, None, :] <= g_hi[:, :, None])
             else:  # every prefix key precedes every query
                 mask = jnp.broadcast_to(in_ctx[:, None, :], g_pos.shape + in_ctx.shape[-1:])
             if sliding_window is not None:
@@ -408,21 +433,24 @@ def _attend_paged(qs, kv_cache, page_indices, cu_q_lens, num_seqs, prefix_lens, 
     return jax.lax.fori_loop(0, num_groups, group, _softmax_init((t, k_heads, groups), h))
 
 
-def _attend_pairs(qs, kv_cache, page_indices, req_c, valid_tok, tok_pos, *, sliding_window, soft_cap, layer):
+def _attend_pairs(qs, kv_cache, page_indices, req_c, valid_tok, tok_pos, *, sliding_window, soft_cap, layer,
+                  tok_hi=None):
     """Attention of every query to its request's keys up to its own position, over a flat
     list of (token, page) pairs: token i reads the pages from its window's first to the
     one holding its own position. Each loop iteration gathers the next ``chunk`` pairs,
     computes each pair's softmax over its page, and merges those into the tokens' running
     (m, l, acc) with scatter-max / scatter-add (a token's pairs may span iterations). The
     trip count is the live pairs over ``chunk``: the gathered pages are the live ones, to
-    within the last iteration. Returns per token (m, l, acc) as _attend_step_tokens."""
+    within the last iteration (``tok_hi``: to the page holding that position). Returns per
+    token (m, l, acc) as _attend_step_tokens."""
     t, k_heads, groups, h = qs.shape
     page_size = kv_cache.shape[-3]
     r, pmax = page_indices.shape
     chunk = pairs_per_chunk(t, page_size, kv_cache.shape[-2], h)
     pair = rows_per_kv_head(kv_cache)
 
-    last = jnp.maximum(tok_pos, 0) // page_size
+    hi = tok_pos if tok_hi is None else tok_hi
+    last = jnp.maximum(hi, 0) // page_size
     first = jnp.zeros_like(last) if sliding_window is None else jnp.maximum(tok_pos - sliding_window + 1, 0) // page_size
     num_pairs = jnp.where(valid_tok, last - first + 1, 0)  # [T]
     ends = jnp.cumsum(num_pairs)
@@ -437,6 +465,7 @@ def _attend_pairs(qs, kv_cache, page_indices, req_c, valid_tok, tok_pos, *, slid
     pair_tok = jnp.where(live, pair_tok, t)
     q_pad = jnp.concatenate([qs, jnp.zeros((1, k_heads, groups, h), jnp.float32)])
     pos_pad = jnp.concatenate([tok_pos, jnp.full((1,), -1, jnp.int32)])
+    hi_pad = jnp.concatenate([hi, jnp.full((1,), -1, jnp.int32)])
 
     def body(c, carry):
         m, l, acc = carry
@@ -447,7 +476,7 @@ def _attend_pairs(qs, kv_cache, page_indices, req_c, valid_tok, tok_pos, *, slid
         kv = _read_kv(kv_cache, layer, page, keep_bf16=True).reshape(chunk, page_size, k_heads, pair, h)
         kpos = page_no[:, None] * page_size + jnp.arange(page_size)  # [C, S]
         qpos = pos_pad[tok][:, None]
-        mask = kpos <= qpos
+        mask = kpos <= hi_pad[tok][:, None]
         if sliding_window is not None:
             mask &= kpos > qpos - sliding_window
         # Slots past a token's position (or outside its window) may hold anything, NaN

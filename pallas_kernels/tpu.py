@@ -138,18 +138,15 @@ def _rpa_kernel(
     seq_hi_ref,  # [num_q_blocks]: one past the last
     layer_ref,  # [1]: layer of a stacked cache (unused otherwise)
     sinks_ref,  # [N] f32 attention sinks ([1] unused without them)
+    blk_ahead_ref,  # [num_q_blocks]: the most keys_ahead of the block's tokens (0 without)
     # Inputs.
     q_ref,  # [bq, N, H] (VMEM block)
     kv_hbm,  # [P, S, 2K, H] or stacked [L, P, S, 2K, H] (HBM)
-    # Output.
-    o_ref,  # [bq, N, H]
-    # Scratch.
-    kv_bufs,  # [2, npb, S, 2K, H]
-    sems,  # DMA semaphores [2]
-    m_ref,  # [K, bq*G, 128] f32 running max (lane-replicated)
-    l_ref,  # [K, bq*G, 128] f32 running sum
-    acc_ref,  # [bq, N, H] f32 normalised accumulator
-    *,
+    *refs,  # with has_ahead: ahead_ref [bq*G, 1] int32, each row's keys_ahead (VMEM block);
+    # then the output o_ref [bq, N, H] and the scratch: kv_bufs [2, npb, S, 2K, H], DMA
+    # semaphores [2], m_ref and l_ref [K, bq*G, 128] f32 running max and sum
+    # (lane-replicated), acc_ref [bq, N, H] f32 normalised accumulator.
+    has_ahead: bool,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -157,6 +154,7 @@ def _rpa_kernel(
     hardware: bool,
     has_sinks: bool,
 ):
+    ahead_ref, (o_ref, kv_bufs, sems, m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if has_ahead else (None, refs)
     bq, num_heads, head_dim = q_ref.shape
     _, npb, page_size, two_k, _ = kv_bufs.shape
     k_heads = two_k // rows_per_kv_head(kv_bufs)
@@ -188,8 +186,9 @@ def _rpa_kernel(
         q_len = q_end - q_start
         t_lo = jnp.maximum(q_start, blk_start)
         t_hi = jnp.minimum(q_end, blk_end)
-        # Keys visible to the block's tokens of this request: [kv_lo, kv_hi).
-        kv_hi = jnp.minimum(kv_len - q_len + (t_hi - q_start), kv_len)
+        # Keys visible to the block's tokens of this request: [kv_lo, kv_hi) (keys_ahead:
+        # the block's furthest, for every request of the block; each row is masked to its own).
+        kv_hi = jnp.minimum(kv_len - q_len + (t_hi - q_start) + blk_ahead_ref[q_blk], kv_len)
         kv_lo = jnp.int32(0)
         if sliding_window is not None:
             kv_lo = jnp.maximum(kv_len - q_len + (t_lo - q_start) - sliding_window + 1, 0)
@@ -242,7 +241,7 @@ def _rpa_kernel(
         tok = blk_start + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // groups
         tok_pos = info["kv_len"] - info["q_len"] + (tok - info["q_start"])
         row_in_seq = (tok >= info["q_start"]) & (tok < info["q_end"])
-        mask = key_ok & (kpos <= tok_pos)
+        mask = key_ok & (kpos <= (tok_pos + ahead_ref[...] if has_ahead else tok_pos))
         if sliding_window is not None:
             mask &= kpos > tok_pos - sliding_window
 
@@ -328,8 +327,8 @@ def _block_seq_ranges(cu_q_lens, num_seqs, num_q_blocks: int, bq: int):
     return seq_lo, seq_hi
 
 
-def _attend(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, layer, sinks, *, bq, npb, pages_per_seq,
-            sm_scale, sliding_window, soft_cap, interpret, vmem_limit_bytes):
+def _attend(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, layer, sinks, keys_ahead, *, bq, npb,
+            pages_per_seq, sm_scale, sliding_window, soft_cap, interpret, vmem_limit_bytes):
     t, n, h = q.shape
     _, page_size, two_k, _ = kv_cache.shape[-4:]
     k_heads = two_k // rows_per_kv_head(kv_cache)
@@ -349,15 +348,24 @@ def _attend(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, layer, sinks,
         pages_per_seq=pages_per_seq,
         hardware=interpret is False or interpret is None,
         has_sinks=sinks is not None,
+        has_ahead=keys_ahead is not None,
     )
+    if keys_ahead is None:
+        blk_ahead, ahead_in, ahead_spec = jnp.zeros((num_q_blocks,), jnp.int32), (), []
+    else:
+        ahead = jnp.pad(keys_ahead.astype(jnp.int32), (0, t_pad - t))
+        blk_ahead = jnp.max(ahead.reshape(num_q_blocks, bq), axis=1)
+        # One entry per row of the kernel's products (token i, group member g: i * G + g).
+        ahead_in = (jnp.repeat(ahead, groups).reshape(t_pad * groups, 1),)
+        ahead_spec = [pl.BlockSpec((rows, 1), lambda i, *_: (i, 0))]
     sinks = jnp.zeros((1,), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(n)
     q_spec = pl.BlockSpec((bq, n, h), lambda i, *_: (i, 0, 0))
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=8,
+            num_scalar_prefetch=9,
             grid=(num_q_blocks,),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)] + ahead_spec,
             out_specs=q_spec,
             scratch_shapes=[
                 pltpu.VMEM((2, npb, page_size, two_k, h), kv_cache.dtype),
@@ -375,7 +383,7 @@ def _attend(q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, layer, sinks,
         ),
         interpret=interpret,
         name=f"ragged_paged_attention_bq{bq}_p{npb}",
-    )(kv_lens, pages_flat, cu_q_lens, num_seqs, seq_lo, seq_hi, layer, sinks, q, kv_cache)
+    )(kv_lens, pages_flat, cu_q_lens, num_seqs, seq_lo, seq_hi, layer, sinks, blk_ahead, q, kv_cache, *ahead_in)
     return out[:t]
 
 
@@ -403,6 +411,7 @@ def ragged_paged_attention(
     vmem_limit_bytes: int | None = None,
     layer=None,
     sinks=None,
+    keys_ahead=None,
 ):
     """Mosaic TPU ragged paged attention; same arguments and result as the reference.
 
@@ -415,7 +424,7 @@ def ragged_paged_attention(
     layer scan and pages are fetched from ``kv_cache[layer]`` in place (passing the
     slice ``kv_cache[layer]`` instead would copy the layer's whole cache every step).
     ``sinks`` [N] float32: attention sinks (SMEM scalars, applied at the end;
-    reference.sink_factor).
+    reference.sink_factor). ``keys_ahead`` [T] int32: the reference's (Gemma 3's images).
     """
     validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, sliding_window=sliding_window, soft_cap=soft_cap)
     layer = layer_index(kv_cache, layer)
@@ -443,7 +452,7 @@ def ragged_paged_attention(
         else:
             limit = vmem_limit_bytes
         return _attend(
-            q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, layer, sinks, bq=bq, npb=npb,
+            q, kv_cache, kv_lens, pages_flat, cu_q_lens, num_seqs, layer, sinks, keys_ahead, bq=bq, npb=npb,
             pages_per_seq=pages_per_seq, sm_scale=sm_scale, sliding_window=sliding_window,
             soft_cap=soft_cap, interpret=interpret, vmem_limit_bytes=limit,
         )

@@ -329,6 +329,15 @@ class EngineArgs:
             # vLLM's default: the step's token budget, or the largest image if that is more.
             largest = MultiModalProcessor.from_model(path, arch).max_tokens_per_image
             encoder_budget = max(max_num_batched_tokens, largest)
+        if arch.mm_bidirectional:
+            # An image goes into one chunk whole (disable_chunked_mm_input): it must fit one.
+            image_tokens = arch.vision.tokens_per_image
+            for name, value in (("max_num_batched_tokens", max_num_batched_tokens),
+                                ("long_prefill_token_threshold", self.long_prefill_token_threshold)):
+                if value and value < image_tokens:
+                    raise ValueError(f"{name} ({value}) must be at least {image_tokens}: this model's images "
+                                     f"({image_tokens} tokens each) attend within themselves both ways, so each "
+                                     "is prefilled in one chunk")
         defaults = model_config.get_diff_sampling_param()
         if defaults:
             logger.info("Sampling defaults from the model's generation config: %s (a request's own values win; "
@@ -348,7 +357,8 @@ class EngineArgs:
                 max_model_len=max_model_len, enable_chunked_prefill=chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.scheduling_policy,
                 async_scheduling=self.async_scheduling, max_num_encoder_input_tokens=encoder_budget,
-                encoder_cache_size=max(self.encoder_cache_size, encoder_budget)),
+                encoder_cache_size=max(self.encoder_cache_size, encoder_budget),
+                disable_chunked_mm_input=arch.mm_bidirectional),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
                 enable_expert_parallel=self.enable_expert_parallel,

@@ -66,7 +66,7 @@ class LLMEngine:
                 n, runner.block_size, config.scheduler_config.max_num_batched_tokens),
             structured_output_manager=self.structured_output_manager,
             mm_processor=MultiModalProcessor.from_model(
-                runner.model_path, runner.arch, limit_per_prompt=mc.limit_mm_per_prompt,
+                runner.model_path, runner.arch, self.tokenizer, limit_per_prompt=mc.limit_mm_per_prompt,
                 max_image_tokens=min(config.scheduler_config.encoder_budget,
                                      config.scheduler_config.encoder_cache_rows)))
         pooler = mc.pooler_config

@@ -1,8 +1,14 @@
 """A prompt's images -> its placeholder tokens and MultiModalPrompt (host, numpy).
 
-An image stands in the prompt as one placeholder token (``<|image_pad|>`` in Qwen's
-chat template); it is expanded here to the image's token count, as vLLM's prompt
-update does, and each image is preprocessed with the model's own image processor.
+An image stands in the prompt as one placeholder token, which is expanded here to the
+image's tokens, as vLLM's prompt update does, and each image is preprocessed with the
+model's own image processor:
+
+- Qwen2.5-VL: ``<|image_pad|>`` (inside the chat template's vision start / end) becomes
+  that many ``<|image_pad|>`` as the image has merged patches.
+- Gemma 3: ``<start_of_image>`` becomes HF's full image sequence, "\n\n" +
+  ``<start_of_image>`` + ``tokens_per_image`` x ``<image_soft_token>`` +
+  ``<end_of_image>`` + "\n\n" (the newlines as the tokenizer spells them).
 """
 from __future__ import annotations
 
@@ -14,28 +20,48 @@ from jaxserve.multimodal.inputs import MultiModalFeature, MultiModalPrompt
 from jaxserve.multimodal.media import MediaPolicy
 from jaxserve.multimodal.qwen2_vl import Qwen2VLImageProcessor, mrope_positions
 
+
 class MultiModalProcessor:
     def __init__(self, arch, image_processor, *, limit_per_prompt: int = 16,
-                 max_image_tokens: int | None = None) -> None:
+                 max_image_tokens: int | None = None, tokenizer=None) -> None:
         self.arch = arch
         self.image_processor = image_processor
         self.image_token_id = arch.image_token_id
+        vc = arch.vision
+        # The token the chat template writes per image, and what it expands to around the
+        # image's tokens: (ids before, ids after).
+        self.placeholder_id = self.image_token_id
+        self.wrap = ([], [])
+        if vc.kind == "siglip":
+            if vc.boi_token_id is None or vc.eoi_token_id is None:
+                raise ValueError("config.json: Gemma 3 needs boi_token_index and eoi_token_index")
+            self.placeholder_id = vc.boi_token_id
+            newlines = [] if tokenizer is None else tokenizer.encode("\n\n", add_special_tokens=False)
+            self.wrap = (newlines + [vc.boi_token_id], [vc.eoi_token_id] + newlines)
         self.limit_per_prompt = limit_per_prompt
         self.max_image_tokens = max_image_tokens  # the encoder budget / buffer: an image must fit
 
     @classmethod
-    def from_model(cls, model_path, arch, **kw) -> "MultiModalProcessor | None":
-        """The processor of a vision-language model's folder; None for a text model."""
+    def from_model(cls, model_path, arch, tokenizer=None, **kw) -> "MultiModalProcessor | None":
+        """The processor of a vision-language model's folder; None for a text model.
+        ``tokenizer`` spells Gemma 3's newlines around an image (None: left out, as for
+        counting tokens)."""
         if arch.vision is None:
             return None
         path = Path(model_path) / "preprocessor_config.json"
         cfg = json.loads(path.read_text()) if path.exists() else {}
+        if arch.vision.kind == "siglip":
+            from jaxserve.multimodal.gemma3 import Gemma3ImageProcessor
+
+            return cls(arch, Gemma3ImageProcessor.from_config(cfg, arch.vision), tokenizer=tokenizer, **kw)
         return cls(arch, Qwen2VLImageProcessor.from_config(cfg), **kw)
 
     @property
     def max_tokens_per_image(self) -> int:
-        """The placeholder tokens of the largest image (max_pixels)."""
+        """The placeholder tokens of the largest image (Qwen: max_pixels)."""
         ip = self.image_processor
+        if self.arch.vision.kind == "siglip":
+            return ip.tokens_per_image
         return ip.max_pixels // (ip.patch_size * ip.merge_size) ** 2
 
     def process(self, ids: list[int], images: list) -> tuple[list[int], MultiModalPrompt]:
@@ -44,9 +70,9 @@ class MultiModalProcessor:
         if len(images) > self.limit_per_prompt:
             raise ValueError(f"at most {self.limit_per_prompt} images per prompt are accepted "
                              f"(--limit-mm-per-prompt), got {len(images)}")
-        slots = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        slots = [i for i, t in enumerate(ids) if t == self.placeholder_id]
         if len(slots) != len(images):
-            raise ValueError(f"the prompt has {len(slots)} image placeholder tokens (id {self.image_token_id}) "
+            raise ValueError(f"the prompt has {len(slots)} image placeholder tokens (id {self.placeholder_id}) "
                              f"for {len(images)} images: each image needs one")
         out, features, prev = [], [], 0
         for k, (slot, source) in enumerate(zip(slots, images)):
@@ -61,10 +87,10 @@ class MultiModalProcessor:
                 raise ValueError(f"image {k} is {processed.num_tokens} tokens, more than the "
                                  f"{self.max_image_tokens} the encoder budget and cache hold "
                                  "(max_num_encoder_input_tokens / encoder_cache_size)")
-            out += ids[prev:slot]
+            out += ids[prev:slot] + self.wrap[0]
             features.append(MultiModalFeature(len(out), processed.num_tokens, image_hash(img),
                                               processed.pixel_values, processed.grid))
-            out += [self.image_token_id] * processed.num_tokens
+            out += [self.image_token_id] * processed.num_tokens + self.wrap[1]
             prev = slot + 1
         out += ids[prev:]
         positions, delta = None, 0

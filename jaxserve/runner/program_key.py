@@ -73,7 +73,8 @@ class DraftKey:
 @dataclass(frozen=True, slots=True)
 class EncoderKey:
     """A vision-language model's tower over ``num_windows`` attention windows of
-    ``window_len`` patches each (runner/encoder.py)."""
+    ``window_len`` patches each (runner/encoder.py); Gemma 3's SigLIP: over
+    ``num_windows`` images, window_len 0."""
 
     num_windows: int
     window_len: int

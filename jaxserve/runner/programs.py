@@ -99,8 +99,9 @@ def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, r
     def model_step(state, kv_cache, packed, lora_buffers, encoder_buffer=None, *, layout):
         """lora_buffers: None, or the adapters' slots (jaxserve/lora/manager.py);
         encoder_buffer: a vision-language model's encoder outputs [E, D] (the runner's),
-        its inputs then ending with each token's row + 1 (0: text) and its M-RoPE
-        positions [T, 3]."""
+        its inputs then ending with each token's row + 1 (0: text), its M-RoPE
+        positions [T, 3] and the keys past its own position it attends to [T] (Gemma 3:
+        the rest of its image; AttentionMetadata.keys_ahead)."""
         input_ids, positions, md, logits_indices, _, *extra = unpack(layout, packed)
         model = nnx.merge(graphdef, state)
         lora = mm = None
@@ -108,10 +109,12 @@ def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, r
             slots = extra[0]
             lora = (lora_buffers, lora_mask(slots, *lora_slots, jnp.float32), jnp.any(slots > 0))
         if encoder_buffer is not None:
-            mm_rows, mrope = extra[-2:]
+            mm_rows, mrope, keys_ahead = extra[-3:]
             mm = (encoder_buffer, mm_rows - 1)
             if arch is not None and arch.mrope_section:
                 positions = mrope.T
+            if arch is not None and arch.mm_bidirectional:
+                md = dataclasses.replace(md, keys_ahead=keys_ahead)
         hidden, kv_cache = model(input_ids, positions, kv_cache, md, attention, lora=lora,
                                  **({"mm": mm} if mm is not None else {}))
         # Each rank's last-token rows, by its local indices [DP, Rmax] into its [T].
@@ -260,7 +263,7 @@ class ProgramInputs:
         if self.lora:
             inputs += (np.zeros(dp * t, np.int32),)
         if self.mm:
-            inputs += (np.zeros(dp * t, np.int32), np.zeros((dp * t, 3), np.int32))
+            inputs += (np.zeros(dp * t, np.int32), np.zeros((dp * t, 3), np.int32), np.zeros(dp * t, np.int32))
         return inputs
 
     def empty_attention_metadata(self, t: int) -> AttentionMetadata:

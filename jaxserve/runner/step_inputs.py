@@ -94,7 +94,7 @@ class StepInputBuilder:
         model_buffer, (input_ids, positions, md, logits_indices, lp_targets, *extra) = \
             self.inputs.model_layout(t_pad).allocate()
         lora_inputs = extra[:1] if self.inputs.lora else []
-        mm_inputs = extra[-2:] if self.inputs.mm else None
+        mm_inputs = extra[-3:] if self.inputs.mm else None
         rmax = self.max_num_reqs
         ranks = [list(so.num_scheduled_tokens) for so in outputs]
         rows = [np.fromiter((ib.req_id_to_index[r] for r in ids), np.int64, len(ids))
@@ -134,7 +134,7 @@ class StepInputBuilder:
                 lora_inputs[0][tok][:step.num_scheduled.sum()] = np.repeat(per_req, step.num_scheduled)
             if mm_inputs is not None:
                 self._fill_mm(so, req_ids, rws, ib, md.query_start_loc[rank * (rmax + 1):], positions[tok],
-                              mm_inputs[0][tok], mm_inputs[1][tok])
+                              mm_inputs[0][tok], mm_inputs[1][tok], mm_inputs[2][tok])
             md.num_seqs[rank] = len(req_ids)
             rank_steps.append(step)
             if targets is not None:
@@ -169,12 +169,14 @@ class StepInputBuilder:
             logit_bias=(np.concatenate([ib.logit_bias_ids[r] for ib, r in bias_rows]),
                         np.concatenate([ib.logit_bias_values[r] for ib, r in bias_rows])) if biased else None)
 
-    def _fill_mm(self, so, req_ids, rows, ib: InputBatch, cu, positions, mm_rows, mrope) -> None:
+    def _fill_mm(self, so, req_ids, rows, ib: InputBatch, cu, positions, mm_rows, mrope, keys_ahead) -> None:
         """A vision-language model's extra inputs for one rank (views, written in place):
         each image token's encoder-output row + 1 (``so.encoder_rows``; text tokens keep
-        0) and every token's M-RoPE positions (text: its position on all three axes;
+        0), every token's M-RoPE positions (text: its position on all three axes;
         a prompt's images: jaxserve.multimodal.qwen2_vl.mrope_positions; generated
-        tokens: their position + the prompt's delta)."""
+        tokens: their position + the prompt's delta) and, each image token's count of
+        later tokens of its image (Gemma 3's bidirectional images; the scheduler keeps
+        an image in one chunk, so those keys are this step's; text keeps 0)."""
         total = int(cu[len(req_ids)])
         mrope[:total] = positions[:total, None]
         for i, req_id in enumerate(req_ids):
@@ -194,6 +196,7 @@ class StepInputBuilder:
                 if lo < hi:
                     img_rows = np.asarray(so.encoder_rows[f.mm_hash], np.int32)
                     mm_rows[base + lo - start:base + hi - start] = img_rows[lo - f.offset:hi - f.offset] + 1
+                    keys_ahead[base + lo - start:base + hi - start] = f.end - 1 - np.arange(lo, hi)
 
     def _prepare_rank(self, so, ib: InputBatch, req_ids, rows, input_ids, positions, slot_mapping, seq_lens, cu,
                       block_tables, logits_indices) -> tuple[RankStep, np.ndarray | None]:

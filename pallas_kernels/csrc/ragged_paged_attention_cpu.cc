@@ -12,8 +12,9 @@
 //   f32, bf16 (or its uint16 bit patterns) or 8-bit floats (widened through `lut`);
 //   kv_lens [R], page_indices [R, Pmax], cu_q_lens [R+1], num_seqs [1], layer [1].
 //   Token i of request r sits at kv_lens[r] - q_len[r] + i and sees keys at positions
-//   <= its own (and > its own - sliding_window). o [T, N, H] in q's dtype; padded
-//   tokens get zeros.
+//   <= its own (and > its own - sliding_window). keys_ahead [T] (when has_ahead; Gemma
+//   3's images): token t also sees the next keys_ahead[t] positions past its own, the
+//   window still starting from its own. o [T, N, H] in q's dtype; padded tokens get zeros.
 //
 // Work items: (request, block of up to kMaxQueries consecutive tokens, KV heads): all
 // heads, so that an item reads whole slots, or one head each when that leaves too few
@@ -78,6 +79,7 @@ struct Problem {
   int64_t elem_bytes;
   const float* lut;  // [256] for kCacheByteLut
   const float* sinks;  // [N] attention sinks (GPT-OSS), or nullptr: none
+  const int32_t* ahead;  // [T] keys past its own position each token sees, or nullptr: none
   // pair: rows per KV head in a slot, 2 (K then V) or 1 (MLA's latent row, both K and V).
   int64_t num_pages, page_size, two_k, pair, n_heads, groups, head_dim, pmax;
   const int32_t* page_indices;
@@ -338,7 +340,7 @@ void run_item(const Problem& p, const Item& it, Scratch& sc) {
         v16 s = load16(scores + row * kTile);
         if (p.soft_cap != 0.0f)
           for (int j = 0; j < kTile; ++j) s[j] = p.soft_cap * std::tanh(s[j] / p.soft_cap);
-        v16i ok = kpos <= rel;
+        v16i ok = kpos <= rel + (p.ahead ? p.ahead[it.t0 + rel] : 0);
         if (p.window > 0) ok &= kpos > rel - int32_t(p.window);
         s = ok ? s : splat(kNegInf);
         const float tile_max = hmax(s);
@@ -417,9 +419,9 @@ void work(const Problem& p, const Item* items, Shared& sh) {
 ffi::Error Attention(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> kv_lens,
                      ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
                      ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> lut,
-                     ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out, ffi::ThreadPool pool,
-                     float sm_scale, int64_t sliding_window, float soft_cap, int32_t cache_kind, int32_t fixed_order,
-                     int32_t has_sinks) {
+                     ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::S32> keys_ahead, ffi::Result<ffi::AnyBuffer> out,
+                     ffi::ThreadPool pool, float sm_scale, int64_t sliding_window, float soft_cap, int32_t cache_kind,
+                     int32_t fixed_order, int32_t has_sinks, int32_t has_ahead) {
   const auto qd = q.dimensions();
   const auto cd = kv_cache.dimensions();
   if (qd.size() == 3 && qd[2] > kLanes * kMaxHeadVectors)
@@ -442,6 +444,9 @@ ffi::Error Attention(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi:
   if (has_sinks && int64_t(sinks.element_count()) != n)
     return ffi::Error::InvalidArgument("sinks must have one entry per query head");
   p.sinks = has_sinks ? sinks.typed_data() : nullptr;
+  if (has_ahead && int64_t(keys_ahead.element_count()) != t)
+    return ffi::Error::InvalidArgument("keys_ahead must have one entry per token");
+  p.ahead = has_ahead ? keys_ahead.typed_data() : nullptr;
   p.num_pages = num_pages;
   p.page_size = page_size;
   p.two_k = two_k;
@@ -478,7 +483,11 @@ ffi::Error Attention(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi:
         const int64_t pos0 = prefix + (t0 - start);
         if (pos0 < 0) continue;  // malformed row (more queries than keys): left as zeros
         const int64_t lo = sliding_window > 0 ? std::max<int64_t>(pos0 - sliding_window + 1, 0) : 0;
-        const int64_t hi = pos0 + nq - 1;
+        int64_t hi = pos0 + nq - 1;
+        if (p.ahead) {  // the furthest key one of its tokens sees, within the request's keys
+          for (int64_t i = 0; i < nq; ++i) hi = std::max<int64_t>(hi, pos0 + i + std::max(p.ahead[t0 + i], 0));
+          hi = std::min<int64_t>(hi, int64_t(lens[s]) - 1);
+        }
         for (int64_t kh = 0; kh < k_heads; kh += per_item)
           items.push_back(Item{int32_t(s), int32_t(t0), int32_t(nq), int32_t(kh), int32_t(kh + per_item), pos0, lo,
                                hi, nq * p.groups * per_item * (hi - lo + 1)});
@@ -518,6 +527,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpu, Attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::F32>>()  // lut
                                   .Arg<ffi::Buffer<ffi::F32>>()  // sinks ([N], or [1] unused)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // keys_ahead ([T], or [1] unused)
                                   .Ret<ffi::AnyBuffer>()         // o
                                   .Ctx<ffi::ThreadPool>()
                                   .Attr<float>("sm_scale")
@@ -525,4 +535,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionCpu, Attention,
                                   .Attr<float>("soft_cap")
                                   .Attr<int32_t>("cache_kind")
                                   .Attr<int32_t>("fixed_order")
-                                  .Attr<int32_t>("has_sinks"));
+                                  .Attr<int32_t>("has_sinks")
+                                  .Attr<int32_t>("has_ahead"));

@@ -114,6 +114,21 @@ def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv
                                             video_token_id=501, vision_start_token_id=502, vision_end_token_id=503,
                                             tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
         model = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+    elif arch == "gemma3_vl":
+        # A 2-block SigLIP over 112 px (8 x 8 patches of 14) pooled to 16 tokens (4 x 4):
+        # an image's 16 tokens outrun the decoder's window of 8, so the sliding layers'
+        # AND(window, OR(causal, image)) mask is exercised; ids 500-502 are the image tokens.
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      image_size=112, patch_size=14, vision_use_head=False)
+        text = dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                    layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (
+                        layers % 2))
+        text.update({k: v for k, v in common.items() if k not in text and k != "tie_word_embeddings"})
+        cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
+                                        image_token_index=GEMMA_IMAGE_TOKEN, boi_token_index=501,
+                                        eoi_token_index=502, tie_word_embeddings=tie, bos_token_id=1,
+                                        eos_token_id=2, pad_token_id=0)
+        model = transformers.Gemma3ForConditionalGeneration(cfg)
     else:
         raise ValueError(arch)
     # Random init in HF is small (std 0.02): scale up so logits are not near-uniform and
@@ -124,9 +139,11 @@ def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv
                 p.normal_(0, 0.5)
             elif name.endswith("sinks"):  # GPT-OSS: one logit per head, about the scores' size
                 p.normal_(0, 1.0)
+            elif name.endswith("mm_input_projection_weight"):  # Gemma 3's projector: zeros at init
+                p.normal_(0, 0.3)
             elif p.dim() >= 2:
                 p.mul_(4.0)
-            elif arch.startswith("gemma") and name.endswith("norm.weight"):  # (1 + w) norms start at w = 0
+            elif arch.startswith("gemma") and name.endswith(("norm.weight", "mm_soft_emb_norm.weight")):  # (1 + w) norms start at w = 0
                 p.normal_(0, 0.3)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: zeros at init would hide its use
@@ -136,7 +153,7 @@ def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv
     if tokenizer == "bytes":
         _write_byte_tokenizer(path, vocab)
     else:
-        _write_tokenizer(path, vocab, VL_TOKENS if arch == "qwen2_5_vl" else {})
+        _write_tokenizer(path, vocab, {"qwen2_5_vl": VL_TOKENS, "gemma3_vl": GEMMA_VL_TOKENS}.get(arch, {}))
     if arch == "qwen2_5_vl":
         import json
         # Small images: 56-448 px a side (4-32 patches), so that tests stay fast.
@@ -146,9 +163,18 @@ def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv
             "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
             "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_resize": True,
             "do_convert_rgb": True, "resample": 3}))
+    if arch == "gemma3_vl":
+        import json
+        (Path(path) / "preprocessor_config.json").write_text(json.dumps({
+            "image_processor_type": "Gemma3ImageProcessor", "size": {"height": 112, "width": 112}, "resample": 2,
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_rescale": True,
+            "rescale_factor": 1 / 255, "do_normalize": True, "do_resize": True, "do_convert_rgb": True,
+            "do_pan_and_scan": None}))
     return path
 
 
+GEMMA_IMAGE_TOKEN = 500
+GEMMA_VL_TOKENS = {500: "<image_soft_token>", 501: "<start_of_image>", 502: "<end_of_image>"}
 VL_IMAGE_TOKEN = 500
 VL_TOKENS = {500: "<|image_pad|>", 501: "<|video_pad|>", 502: "<|vision_start|>", 503: "<|vision_end|>"}
 
@@ -168,7 +194,13 @@ def _write_tokenizer(path: Path, vocab: int, named: dict[int, str] | None = None
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
                           "{% if add_generation_prompt %}w3 {% endif %}")
-    if named:  # a VLM: content parts, an image as Qwen's <|vision_start|><|image_pad|><|vision_end|>
+    if named and "<start_of_image>" in named.values():  # Gemma 3: an image part is <start_of_image>
+        fast.chat_template = (
+            "{% for m in messages %}{{ m['role'] }} {% if m['content'] is string %}{{ m['content'] }}"
+            "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<start_of_image>"
+            "{% else %}{{ p['text'] }}{% endif %} {% endfor %}"
+            "{% endif %} {% endfor %}{% if add_generation_prompt %}w3 {% endif %}")
+    elif named:  # a VLM: content parts, an image as Qwen's <|vision_start|><|image_pad|><|vision_end|>
         fast.chat_template = (
             "{% for m in messages %}{{ m['role'] }} {% if m['content'] is string %}{{ m['content'] }}"
             "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"

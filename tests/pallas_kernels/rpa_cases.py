@@ -91,9 +91,12 @@ def make_batch(
     )
 
 
-def naive_attention(batch: Batch, *, sm_scale, sliding_window=None, soft_cap=None, sinks=None) -> np.ndarray:
+def naive_attention(batch: Batch, *, sm_scale, sliding_window=None, soft_cap=None, sinks=None,
+                    keys_ahead=None) -> np.ndarray:
     """Float64 loop over requests and tokens: the oracle of the reference. ``sinks`` [N]:
-    one more logit per head in each softmax, with no value (HF's GPT-OSS attention)."""
+    one more logit per head in each softmax, with no value (HF's GPT-OSS attention);
+    ``keys_ahead`` [T]: token t sees keys up to its position + keys_ahead[t] (Gemma 3's
+    images), its window still starting from its own position."""
     q = np.asarray(batch.q, np.float64)
     cache = np.asarray(jnp.asarray(batch.kv_cache, jnp.float32), np.float64)
     page_indices = np.asarray(batch.page_indices)
@@ -114,15 +117,16 @@ def naive_attention(batch: Batch, *, sm_scale, sliding_window=None, soft_cap=Non
             lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
             if pos < lo:
                 continue
+            hi = pos + (0 if keys_ahead is None else int(keys_ahead[tok]))
             for head in range(n):
                 kh = head // groups
-                s = keys[lo : pos + 1, kh] @ q[tok, head] * sm_scale
+                s = keys[lo : hi + 1, kh] @ q[tok, head] * sm_scale
                 if soft_cap is not None:
                     s = soft_cap * np.tanh(s / soft_cap)
                 top = s.max() if sinks is None else max(s.max(), float(sinks[head]))
                 p = np.exp(s - top)
                 denom = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[head]) - top))
-                out[tok, head] = p @ vals[lo : pos + 1, kh] / denom
+                out[tok, head] = p @ vals[lo : hi + 1, kh] / denom
     return out
 
 

@@ -475,12 +475,18 @@ class Scheduler:
         """The images the tokens [num_computed, num_computed + num_new_tokens) need and
         that are not in the encoder cache (vLLM's _try_schedule_encoder_inputs): each
         must fit this step's encoder budget and the buffer, else the step stops before
-        the image's first token. Returns (num_new_tokens, the images to encode); nothing
+        the image's first token (as it does before an image the chunk would end inside,
+        with disable_chunked_mm_input). Returns (num_new_tokens, the images to encode); nothing
         is changed yet (_commit_encoder_inputs does it once the KV slots are there)."""
         to_encode, need = [], 0
+        end = num_computed + num_new_tokens
         for f in request.mm.features:
-            if f.offset >= num_computed + num_new_tokens:
+            if f.offset >= end:
                 break
+            if self.scheduler_config.disable_chunked_mm_input and num_computed < f.end and end < f.end:
+                # The chunk would end inside the image: stop before it (or wait for a step
+                # with room for the rest of it, when it began in a prefix-cache hit).
+                return max(f.offset - num_computed, 0), to_encode
             # Computed already, cached (or given rows this step for another request), or
             # earlier in this prompt.
             if f.end <= num_computed or self.encoder_cache.has(f.mm_hash) or any(
