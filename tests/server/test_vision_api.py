@@ -108,3 +108,31 @@ def test_a_text_model_refuses_image_parts():
     msg = ChatMessageParam(role="user", content=[{"type": "text", "text": "hi"}, image_part("data:image/png;base64,")])
     with pytest.raises(APIError, match="takes text only"):
         OpenAIServing.message_dicts([msg])
+
+
+def test_openai_client_sends_an_image_to_gemma3(tmp_path):
+    """Gemma 3 served: the chat template's <start_of_image> becomes the image's 16
+    soft tokens between <start_of_image> and <end_of_image>; a bad image is a 400."""
+    from jaxserve.engine.arg_utils import EngineArgs
+    from jaxserve.engine.async_llm import AsyncLLM
+    from tests.models.hf_factory import make_tiny_hf_model
+
+    path = make_tiny_hf_model(tmp_path / "g3", "gemma3_vl")
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=str(path), dtype="float32", **TINY_ENGINE_ARGS), progress=False)
+    srv = RunningServer(build_app(llm, "g3", max_model_len=TINY_ENGINE_ARGS["max_model_len"]))
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        text = [{"type": "text", "text": "w5 w6"}]
+        reply = client.chat.completions.create(model="g3", temperature=0.0, max_tokens=4, messages=[
+            {"role": "user", "content": text + [image_part(data_url(png_bytes()))]}])
+        text_only = client.chat.completions.create(model="g3", temperature=0.0, max_tokens=4, messages=[
+            {"role": "user", "content": text}])
+        assert reply.choices[0].message.content
+        assert reply.usage.prompt_tokens == text_only.usage.prompt_tokens + 1 + 16 + 1  # boi, 16 tokens, eoi
+        bad = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json={
+            "model": "g3", "max_tokens": 2, "messages": [
+                {"role": "user", "content": [image_part("data:image/png;base64,***")]}]})
+        assert bad.status_code == 400 and "base64" in bad.json()["error"]["message"]
+    finally:
+        srv.stop()
+        llm.shutdown()
