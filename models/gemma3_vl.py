@@ -34,6 +34,10 @@ from models.gemma2 import gemma_rms_norm
 from models.gemma3 import Gemma3ForCausalLM
 
 TOWER = "vision_tower."
+# The tower's attention runs over blocks of this many queries (of one image) at a time,
+# so that its scores stay [heads, block, patches]: 256 MiB in float32 for the Hub's
+# 16 heads and 4096 patches, against 1 GiB per image for the whole [4096, 4096].
+QUERY_BLOCK = 1024
 PROJECTOR = "multi_modal_projector."
 _TEXT = "language_model."
 
@@ -113,12 +117,25 @@ class SiglipTower(nnx.Module):
         dt = p["patch_embed"].dtype
         x = pixels.astype(dt) @ p["patch_embed"].reshape(vc.hidden_size, -1).T + p["patch_bias"]
         x = x + p["pos_embed"][None]  # [B, N, C]
+        qb = min(QUERY_BLOCK, n)
+        nb = -(-n // qb)
+
+        def attend(q, k, v):
+            """One image's block of queries [qb, heads, hd] against its keys [n, heads, hd]."""
+            s = jnp.einsum("qnh,knh->nqk", q.astype(jnp.float32), k.astype(jnp.float32)) * hd ** -0.5
+            return jnp.einsum("nqk,knh->qnh", jax.nn.softmax(s, axis=-1), v.astype(jnp.float32)).astype(dt)
+
         for j in range(vc.depth):
             h = layer_norm(x, p[f"{j}_layer_norm1"], p[f"{j}_layer_norm1_bias"], eps)
             q, k, v = ((h @ p[f"{j}_{t}_proj"] + p[f"{j}_{t}_proj_bias"]).reshape(b, n, heads, hd) for t in "qkv")
-            s = jnp.einsum("bqnh,bknh->bnqk", q.astype(jnp.float32), k.astype(jnp.float32)) * hd ** -0.5
-            a = jax.nn.softmax(s, axis=-1)
-            o = jnp.einsum("bnqk,bknh->bqnh", a, v.astype(jnp.float32)).astype(dt).reshape(b, n, -1)
+            if nb == 1:
+                o = jax.vmap(attend)(q, k, v)
+            else:  # (image, query block) pairs one at a time
+                qp = jnp.pad(q, ((0, 0), (0, nb * qb - n), (0, 0), (0, 0))).reshape(b * nb, qb, heads, hd)
+                img = jnp.arange(b * nb) // nb
+                o = jax.lax.map(lambda a: attend(a[0], k[a[1]], v[a[1]]), (qp, img))
+                o = o.reshape(b, nb * qb, heads, hd)[:, :n]
+            o = o.reshape(b, n, -1)
             x = x + o @ p[f"{j}_out_proj"] + p[f"{j}_out_proj_bias"]
             h = layer_norm(x, p[f"{j}_layer_norm2"], p[f"{j}_layer_norm2_bias"], eps)
             h = jax.nn.gelu(h @ p[f"{j}_fc1"] + p[f"{j}_fc1_bias"], approximate=vc.hidden_act == "gelu_pytorch_tanh")

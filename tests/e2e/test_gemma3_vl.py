@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tests.models.hf_factory import GEMMA_IMAGE_TOKEN
+from tests.models.hf_factory import GEMMA_IMAGE_TOKEN, random_images as images
 
 pytestmark = pytest.mark.slow
 
@@ -33,13 +33,6 @@ def hf(g3_model):
     import transformers
 
     return transformers.Gemma3ForConditionalGeneration.from_pretrained(g3_model, torch_dtype=torch.float32).eval()
-
-
-def images(*sizes, seed=0):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
 
 
 def hf_pixels(path, imgs):
@@ -92,7 +85,7 @@ def check_against_hf(hf, path, out, imgs, max_tokens):
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=0)
 
 
-def test_processor_tower_and_prompt_match_hf(g3_model, hf):
+def test_processor_tower_and_prompt_match_hf(g3_model, hf, monkeypatch):
     """The numpy processor's patches equal HF's pixels (any input size is resized to the
     tower's square), the JAX tower + projector equal HF's image features, and a
     placeholder expands to <start_of_image>, 16 soft tokens, <end_of_image>."""
@@ -113,6 +106,12 @@ def test_processor_tower_and_prompt_match_hf(g3_model, hf):
         want = hf.model.get_image_features(torch.tensor(ref)).pooler_output.reshape(-1, feats.shape[-1]).numpy()
     assert np.abs(want).max() > 0.1  # the projector is not zero (HF initialises it so)
     np.testing.assert_allclose(feats, want, atol=1e-4, rtol=1e-4)
+    # The tower's attention in blocks of queries (the Hub's 4096 patches: 4 blocks of 1024).
+    import models.gemma3_vl as g3
+
+    monkeypatch.setattr(g3, "QUERY_BLOCK", 24)  # 64 patches: blocks of 24, 24 and 16 (padded)
+    blocked = np.asarray(nnx.merge(runner.graphdef, runner.state).encode_images(patches))
+    np.testing.assert_allclose(blocked, want, atol=1e-4, rtol=1e-4)
     expanded, mm = proc.process([1, 5, BOI, 6], imgs[:1])
     assert expanded == [1, 5, BOI] + [GEMMA_IMAGE_TOKEN] * TOKENS + [EOI, 6]
     assert [(f.offset, f.length) for f in mm.features] == [(3, TOKENS)] and mm.mrope_positions is None

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tests.models.hf_factory import VL_IMAGE_TOKEN
+from tests.models.hf_factory import VL_IMAGE_TOKEN, random_images as images
 
 pytestmark = pytest.mark.slow
 
@@ -30,13 +30,6 @@ def hf(vl_model):
     import transformers
 
     return transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(vl_model, torch_dtype=torch.float32).eval()
-
-
-def images(*sizes, seed=0):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
 
 
 def hf_processor(path):

@@ -173,6 +173,15 @@ def make_tiny_hf_model(path: Path, arch: str = "llama", *, tie: bool = False, kv
     return path
 
 
+def random_images(*sizes, seed=0):
+    """PIL images of random pixels, one per (height, width)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+
+
 GEMMA_IMAGE_TOKEN = 500
 GEMMA_VL_TOKENS = {500: "<image_soft_token>", 501: "<start_of_image>", 502: "<end_of_image>"}
 VL_IMAGE_TOKEN = 500

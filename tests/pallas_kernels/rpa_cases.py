@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels import reference
+from pallas_kernels import cpu, gpu, reference, tpu
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,6 +128,15 @@ def naive_attention(batch: Batch, *, sm_scale, sliding_window=None, soft_cap=Non
                 denom = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[head]) - top))
                 out[tok, head] = p @ vals[lo : hi + 1, kh] / denom
     return out
+
+
+# Every kernel with the reference's signature: the Pallas ones interpreted.
+KERNELS = {
+    "reference": reference.ragged_paged_attention,
+    "native": cpu.ragged_paged_attention,
+    "gpu": functools.partial(gpu.ragged_paged_attention, interpret=True),
+    "tpu": functools.partial(tpu.ragged_paged_attention, interpret=True),
+}
 
 
 # The reference, jitted (eager dispatch of its loop costs seconds per call).

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu, gpu, reference, tpu
-from rpa_cases import make_batch, naive_attention
+from pallas_kernels import reference
+from rpa_cases import KERNELS, make_batch, naive_attention
 
 # (seqs, window, images as (request, first token within the step, length)): the images
 # lie within each request's tokens of this step. Decode-sized (T <= R: the (token, page)
@@ -23,12 +23,6 @@ BATCHES = {
     "mixed": dict(seqs=((27, 40), (1, 70), (20, 20)), images=((0, 3, 16), (2, 0, 20))),
     "split_prefill": dict(seqs=((300, 340), (230, 230), (1, 50)), window=48,
                           images=((0, 20, 70), (0, 250, 50), (1, 100, 64))),
-}
-KERNELS = {
-    "reference": reference.ragged_paged_attention,
-    "native": cpu.ragged_paged_attention,
-    "gpu": functools.partial(gpu.ragged_paged_attention, interpret=True),
-    "tpu": functools.partial(tpu.ragged_paged_attention, interpret=True),
 }
 
 

@@ -109,3 +109,18 @@ def test_stacked_cache_lowers_for_tpu_and_cuda():
 
     assert _lower(f_tpu, args, "tpu", TPU_KIND).count("tpu_custom_call") == 2
     assert _lower(f_gpu, args, "cuda", GPU_KIND).count("__gpu$xla.gpu.triton") == 2
+
+
+def test_keys_ahead_lowers_for_tpu_and_cuda():
+    """Gemma 3's keys_ahead (a per-token int32 input) in both Pallas kernels."""
+    t, n, k, h, s = SHAPES[0]
+    args = [*_abstract_args(t, n, k, h, s, jnp.bfloat16), jax.ShapeDtypeStruct((t,), jnp.int32)]
+
+    def f_tpu(*a):
+        return tpu.ragged_paged_attention(*a[:-1], keys_ahead=a[-1], sm_scale=0.088, sliding_window=512)
+
+    def f_gpu(*a):
+        return gpu.ragged_paged_attention(*a[:-1], keys_ahead=a[-1], sm_scale=0.088, sliding_window=512)
+
+    assert _lower(f_tpu, args, "tpu", TPU_KIND).count("tpu_custom_call") == 2
+    assert _lower(f_gpu, args, "cuda", GPU_KIND).count("__gpu$xla.gpu.triton") == 2

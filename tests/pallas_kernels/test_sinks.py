@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu, gpu, reference, tpu
-from rpa_cases import make_batch, naive_attention
+from rpa_cases import KERNELS, make_batch, naive_attention
 
 # decode-sized (T <= R: the (token, page) pairs), mixed (one pass over the pages), and a
 # step of >= 512 tokens (this step's tiles and the cached prefix, merged).
@@ -17,12 +16,6 @@ BATCHES = {
     "decode": dict(seqs=((1, 40), (1, 7), (1, 130), (1, 1)), pad_tokens=0, pad_seqs=3),
     "mixed_window": dict(seqs=((7, 40), (1, 70), (20, 20), (0, 0), (33, 99)), window=24),
     "split_prefill": dict(seqs=((300, 340), (230, 230), (1, 50))),
-}
-KERNELS = {
-    "reference": reference.ragged_paged_attention,
-    "native": cpu.ragged_paged_attention,
-    "gpu": functools.partial(gpu.ragged_paged_attention, interpret=True),
-    "tpu": functools.partial(tpu.ragged_paged_attention, interpret=True),
 }
 
 
