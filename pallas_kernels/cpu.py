@@ -39,7 +39,7 @@ TARGET = "jaxserve_ragged_paged_attention_cpu_v2"
 _SYMBOL = "JaxserveRaggedPagedAttentionCpu"
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC", "-w")
 _CACHE_F32, _CACHE_BF16, _CACHE_BYTE_LUT = 0, 1, 2
-MAX_HEAD_DIM = 256  # the kernel's kMaxHeadVectors * 16
+MAX_HEAD_DIM = 576  # the kernel's kMaxHeadVectors * 16 (DeepSeek's latent rows: 512 + 64)
 
 
 def _compiler() -> str | None:

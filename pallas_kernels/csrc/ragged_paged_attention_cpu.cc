@@ -46,7 +46,12 @@ namespace {
 constexpr int kTile = 16;        // keys per tile
 constexpr int kMaxQueries = 16;  // consecutive tokens of one request per work item
 constexpr int kLanes = 16;       // floats per vector (one AVX-512 register)
-constexpr int kMaxHeadVectors = 16;  // head_dim <= 256
+// Head dims in vectors of 16 floats: every width up to 16 (head_dim <= 256) has its own
+// instantiation, and a few wider ones serve latent rows (DeepSeek's MLA: 512 + 64 =
+// 576); a head dim between two is zero-padded to the next.
+constexpr int kDenseHeadVectors = 16;
+constexpr int kWideHeadVectors[] = {20, 24, 32, 36};
+constexpr int kMaxHeadVectors = 36;  // head_dim <= 576
 // Items with at least this many rows (tokens x query heads per KV head) use the
 // transposed-keys scores (one broadcast-FMA per row and head dim, 16 keys wide); fewer
 // rows (decode with a small GQA group) take dot products straight from the key rows,
@@ -392,6 +397,24 @@ ItemFn pick(int64_t hv, std::integer_sequence<int, kHVs...>) {
   return fns[hv - 1];
 }
 
+// The instantiated width for a head dim of `hv` vectors (see kWideHeadVectors).
+int64_t padded_vectors(int64_t hv) {
+  if (hv <= kDenseHeadVectors) return hv;
+  for (int w : kWideHeadVectors)
+    if (hv <= w) return w;
+  return kMaxHeadVectors;
+}
+
+ItemFn pick_item(int64_t hv) {
+  switch (hv) {
+    case 20: return run_item<20>;
+    case 24: return run_item<24>;
+    case 32: return run_item<32>;
+    case 36: return run_item<36>;
+    default: return pick(hv, std::make_integer_sequence<int, kDenseHeadVectors>{});
+  }
+}
+
 // Items shared by the calling thread and the pool's tasks. Tasks may start after the
 // call has returned (every item already taken): they then touch only this state, which
 // each holds a reference to.
@@ -406,9 +429,9 @@ struct Shared {
 // keeps the call (and the items) alive until it is done.
 void work(const Problem& p, const Item* items, Shared& sh) {
   thread_local Scratch sc;
-  const int64_t hv = (p.head_dim + kLanes - 1) / kLanes;
+  const int64_t hv = padded_vectors((p.head_dim + kLanes - 1) / kLanes);
   sc.reserve(int64_t(kMaxQueries) * p.n_heads, kLanes * hv);
-  const ItemFn run = pick(hv, std::make_integer_sequence<int, kMaxHeadVectors>{});
+  const ItemFn run = pick_item(hv);
   const int64_t n = sh.size;
   for (int64_t i = sh.next.fetch_add(1); i < n; i = sh.next.fetch_add(1)) {
     run(p, items[i], sc);
@@ -425,7 +448,7 @@ ffi::Error Attention(ffi::AnyBuffer q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi:
   const auto qd = q.dimensions();
   const auto cd = kv_cache.dimensions();
   if (qd.size() == 3 && qd[2] > kLanes * kMaxHeadVectors)
-    return ffi::Error::InvalidArgument("head_dim must be at most 256");
+    return ffi::Error::InvalidArgument("head_dim must be at most 576");
   if (qd.size() != 3 || (cd.size() != 4 && cd.size() != 5))
     return ffi::Error::InvalidArgument("q must be [T, N, H], kv_cache [P, S, 2K, H] or [L, P, S, 2K, H]");
   const bool stacked = cd.size() == 5;

@@ -253,3 +253,26 @@ def test_tensor_parallel_matches_one_device(g3_model):
         res.append((out.outputs[0].token_ids, [list(d.values())[0].logprob for d in out.prompt_logprobs[1:]]))
     assert res[0][0] == res[1][0]
     np.testing.assert_allclose(res[0][1], res[1][1], atol=1e-4)
+
+
+def test_hub_config_reads_as_transformers_does():
+    """gemma-3-4b-it's config.json as the Hub ships it (transformers 4: a text_config of
+    a few sizes, rope_scaling linear 8, eos at the top): the defaults and the rope are
+    transformers'."""
+    from models.config import ModelArchConfig
+
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+           "eos_token_id": [1, 106], "image_token_index": 262144, "mm_tokens_per_image": 256, "model_type": "gemma3",
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                             "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                             "patch_size": 14, "vision_use_head": False}}
+    arch = ModelArchConfig.from_hf_dict(hub)
+    assert (arch.vocab_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim) == (262208, 8, 4, 256)
+    assert arch.rope_scaling == {"rope_type": "linear", "factor": 8.0} and arch.rope_local_theta == 10000.0
+    assert arch.sliding_window == 1024 and arch.sliding_window_layers[:6] == (True,) * 5 + (False,)
+    assert arch.eos_token_id == [1, 106] and arch.image_token_id == 262144 and arch.mm_bidirectional
+    vc = arch.vision
+    assert (vc.depth, vc.hidden_size, vc.tokens_per_image, vc.boi_token_id) == (27, 1152, 256, 255999)

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import cpu, kv_cache_update, reference
-from rpa_cases import make_batch, naive_attention
-from test_sinks import KERNELS
+from rpa_cases import KERNELS, make_batch, naive_attention
 
 # decode-sized (the (token, page) pairs), mixed with a window (one pass over the pages),
 # and a step of >= 512 tokens (this step's tiles and the cached prefix, merged).
@@ -59,3 +58,19 @@ def test_latent_write_is_one_row_per_token(write):
     np.testing.assert_array_equal(out[1, 1, 1, 0], np.asarray(latent[1, 0]))
     np.testing.assert_array_equal(out[1, 3, 6, 0], np.asarray(latent[2, 0]))
     assert np.count_nonzero(out[0]) == 0 and np.count_nonzero(out[1]) == 3 * 16
+
+
+@pytest.mark.parametrize("head_dim", [576, 300], ids=["deepseek_576", "padded_300"])
+@pytest.mark.parametrize("name", ["decode", "mixed"])
+def test_native_kernel_takes_deepseek_latent_rows(head_dim, name):
+    """DeepSeek-V3's latent rows (kv_lora_rank 512 + the rope key's 64) in the native
+    kernel, not the reference fallback; 300 runs zero-padded in the 320-wide variant."""
+    assert cpu.supports(jnp.zeros((1, 4, head_dim), jnp.float32), jnp.zeros((2, 16, 1, head_dim), jnp.float32))
+    spec = BATCHES[name]
+    kw = {k: v for k, v in spec.items() if k in ("pad_tokens", "pad_seqs")}
+    b = make_batch(spec["seqs"], num_heads=4, head_dim=head_dim, page_size=16, seed=5, latent=True, **kw)
+    with jax.default_matmul_precision("highest"):
+        out = np.asarray(jax.jit(lambda *a: cpu.ragged_paged_attention(*a, sm_scale=0.05))(*b.args()))
+    t = sum(q for q, _ in b.seqs)
+    np.testing.assert_allclose(out[:t], naive_attention(b, sm_scale=0.05)[:t], atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(out[t:], 0.0)
