@@ -115,7 +115,7 @@ def test_a_row_does_not_depend_on_its_batch():
 
 
 def test_unsupported_dtypes_fall_back_to_the_reference():
-    """The native backend hands a float16 cache (or head_dim > 256) to the reference."""
+    """The native backend hands a float16 cache (or head_dim > 576) to the reference."""
     name = "decode_gqa4_h128_p16"
     b = case_batch(name)
     kw = CASES[name].attn_kwargs
@@ -124,8 +124,8 @@ def test_unsupported_dtypes_fall_back_to_the_reference():
     out = jax.jit(lambda *a: backend.native_or_reference(*a, **kw))(b.q, f16, *b.args()[2:])
     expected = reference.ragged_paged_attention(b.q, f16, *b.args()[2:], **kw)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
-    with pytest.raises(ValueError, match="head_dim <= 256"):
-        cpu.ragged_paged_attention(jnp.zeros((1, 1, 288)), jnp.zeros((2, 16, 2, 288)), *b.args()[2:], **kw)
+    with pytest.raises(ValueError, match="head_dim <= 576"):
+        cpu.ragged_paged_attention(jnp.zeros((1, 1, 592)), jnp.zeros((2, 16, 2, 592)), *b.args()[2:], **kw)
 
 
 def test_no_compiler_means_the_reference(monkeypatch, tmp_path, caplog):
