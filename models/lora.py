@@ -30,8 +30,12 @@ from models.base import MODEL, dim_size
 from models.config import ModelArchConfig
 from models.sharding import source_indices
 
-# Our projection names that adapters may target, in PEFT's target_modules spelling.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Our projection names that adapters may target (PEFT names the module: DeepSeek's
+# kv_a_proj is its kv_a_proj_with_mqa). DeepSeek's MLA: q_a_proj, q_b_proj and kv_a_proj
+# are plain products before the latent; kv_b_proj is absorbed into the queries and the
+# output (models/deepseek.py), so an adapter of it is refused.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "q_a_proj", "q_b_proj", "kv_a_proj")
 # Suffixes of the per-layer names in the weights dict a layer sees (``lw``).
 LORA_A, LORA_B = "_lora_a", "_lora_b"
 LORA_MASK, LORA_ON = "_lora_mask", "_lora_on"
@@ -51,6 +55,8 @@ class LoRATarget:
     # expressions, models/base.py Weight); A is the module's, shared by its blocks.
     fused_rows: str | None = None
     row_offset: str | None = None
+    # The base weight is whole on every device (DeepSeek's q_a_proj, kv_a_proj): so are A and B.
+    replicated: bool = False
 
     def shapes(self, arch: ModelArchConfig, slots: int, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(a, b) buffer shapes: [L, in, slots*rank], [L, slots*rank, out]."""
@@ -59,6 +65,8 @@ class LoRATarget:
 
     def partitions(self) -> tuple[tuple, tuple]:
         """(a, b) partition specs over the ('data', 'model') mesh."""
+        if self.replicated:
+            return (None, None, None), (None, None, None)
         if self.row_parallel:
             return (None, MODEL, None), (None, None, None)
         return (None, None, None), (None, None, MODEL)
@@ -78,7 +86,8 @@ def lora_targets(model_cls, arch: ModelArchConfig) -> dict[str, LoRATarget]:
                 and w.fused_stride == 1):
             module = w.hf_name.split("{i}.", 1)[1].removesuffix(".weight")
             out[name] = LoRATarget(name, module, w.dims[1], w.dims[2], w.partition[1] == MODEL,
-                                   fused_rows=w.fused_rows, row_offset=w.row_offset)
+                                   fused_rows=w.fused_rows, row_offset=w.row_offset,
+                                   replicated=MODEL not in w.partition)
     return out
 
 

@@ -165,3 +165,21 @@ def test_int4_format_name_must_match_the_checkpoint(tiny_models, tmp_path):
     write_int4_checkpoint(src, "gptq", tmp_path / "float", tmp_path / "gptq")
     with pytest.raises(ValueError, match="the checkpoint is gptq"):
         make_llm(tmp_path / "gptq", quantization="awq")
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+@pytest.mark.parametrize("kept", [False, True], ids=["decoded", "kept_int4"])
+def test_int4_phi3_fused_projections(tiny_models, tmp_path, fmt, kept):
+    """Phi-3's fused qkv_proj and gate_up_proj in int4 (AWQ packs the fused output
+    columns, GPTQ the input rows under act-order): decoded at load, or kept as int4 and
+    sliced into q / k / v and gate / up on their output columns, HF's tokens and logprobs
+    on the same rounded weights."""
+    src = tiny_models("phi3", kv_heads=2)
+    write_int4_checkpoint(src, fmt, tmp_path / "float", tmp_path / fmt)
+    llm = make_llm(tmp_path / fmt, **({"quantization": pf.quantization_name(fmt)} if kept else {}))
+    if kept:
+        params = _served_params(llm)
+        q = next(v for k, v in params.items() if k.endswith("q_proj"))
+        assert str(q.dtype) == "uint8"
+    check_greedy(tmp_path / "float", llm, prompts(24, [9, 30]))
+    check_prompt_logprobs(tmp_path / "float", llm, prompts(25, [20])[0])
