@@ -121,17 +121,19 @@ def test_partial_updates_and_bad_input(models, fresh):
 
 
 @pytest.mark.parametrize("arch,kw", [("llama", dict(scan_layers=False)), ("llama", dict(weight_dtype="bfloat16")),
-                                     ("llama", dict(quantization="int8")), ("qwen3_moe", {})])
+                                     ("llama", dict(quantization="int8")), ("qwen3_moe", {}), ("deepseek_v3", {})])
 def test_partial_updates_in_every_layout(tiny_models, arch, kw):
     """Layer 1, then the rest, of checkpoint a onto an engine on b: a's outputs, with the
     layers unrolled (an array per layer), stored as bf16 bit patterns, int8 with scales,
-    and MoE experts stacked per layer (a layer must come with all its experts)."""
+    MoE experts stacked per layer (a layer must come with all its experts), and
+    DeepSeek-V3's two stacks (layer 0 dense, layer 1 MoE with the routing's correction
+    bias, MLA's latent projections)."""
     a, b = tiny_models(arch, seed=0), tiny_models(arch, seed=1)
     kw = dict(kw, enforce_eager=True)  # the programs a few steps use, compiled on first use
     want = run(LLM(str(a), **KW, **kw))
     llm = LLM(str(b), **KW, **kw)
     ta = tensors(a)
-    if arch == "qwen3_moe":
+    if arch in ("qwen3_moe", "deepseek_v3"):
         one_short = {k: v for k, v in ta.items() if ".layers.1.mlp.experts." in k and ".experts.3." not in k}
         with pytest.raises(ValueError, match=r"'model.layers.1.mlp.experts.3.\w+.weight' is missing"):
             llm.update_weights(one_short)
