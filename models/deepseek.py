@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from models.base import MODEL, Weight
 from models.config import ModelArchConfig, hf_common_fields
 from models.llama import COLUMNS, LAYER, ROWS, LlamaForCausalLM, lora_inputs
-from models.moe import GroupedRouting, moe_arch_fields, moe_block
+from models.moe import GroupedRouting, expert_stacks, moe_arch_fields, moe_block
 from models.quantization import linear, param_map, scan_safe
 from models.rope import apply_rope
 
@@ -215,8 +215,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         c = self.config
         if "dense_gate" in lw:
             return linear(jax.nn.silu(linear(x, lw, "dense_gate")) * linear(x, lw, "dense_up"), lw, "dense_down")
-        scales = tuple(lw[n + "_scale"] for n in _EXPERTS) if "experts_gate_scale" in lw else None
-        out = moe_block(x, lw["router"], tuple(lw[n] for n in _EXPERTS), scales, top_k=c.num_experts_per_tok,
+        weights, scales = expert_stacks(lw, _EXPERTS, x.dtype)
+        out = moe_block(x, lw["router"], weights, scales, top_k=c.num_experts_per_tok,
                         normalize=c.norm_topk_prob, mesh=self.mesh, expert_parallel=c.expert_parallel,
                         routing=self.routing, score_bias=lw.get("score_bias"))
         if c.shared_expert_intermediate_size:

@@ -101,12 +101,7 @@ def _read_int4(model_path, arch, model_cls, *, mesh, dtype, progress, param_dtyp
     stored = checkpoint_arch(arch)
     wm, stored_wm = model_cls.weight_map(arch), model_cls.weight_map(stored)
     int4 = lambda n: all(t + "#codes" in ckpt.tensors for _, t in stored_wm[n].tensor_names(stored))
-    candidates = int4_candidates(wm)
-    names = tuple(n for n in candidates if int4(n))
-    experts = [n for n in quantized_names(wm) if n not in candidates and int4(n)]
-    if experts and jax.default_backend() != "cpu":
-        raise ValueError(f"{model_path}: int4 MoE experts ({', '.join(experts)}) are served on CPU only for now "
-                         "(decoded to floats at load)")
+    names = tuple(n for n in int4_candidates(wm) if int4(n))
     for n in names:
         d_in, p_in = wm[n].dims[-2], wm[n].partition[-2]
         local = dim_size(arch, d_in) // (mesh.shape[p_in] if p_in else 1)

@@ -337,6 +337,24 @@ def moe_arch_fields(cfg: dict, *, num_experts: int, moe_intermediate_size: int, 
                 norm_topk_prob=norm_topk_prob)
 
 
+def expert_stacks(lw: dict, names: tuple[str, str, str], dtype):
+    """(weights, scales) of a layer's experts for ``moe_block``: as stored, with their
+    int8 scales if any, or, for experts kept in int4 (an int4 checkpoint's codes with
+    their group scales and zeros; models/quantization.py), their values in ``dtype``,
+    dequantized inside the step one layer at a time (the stored weights stay int4)."""
+    from models.quantization import GIDX, SCALE, ZERO, dequantize_int4
+
+    if names[0] + ZERO in lw:
+        def values(n):
+            gidx = lw.get(n + GIDX)
+            fn = functools.partial(dequantize_int4, dtype=dtype)
+            return jax.vmap(lambda c, s, z, g: fn(c, s, z, g), in_axes=(0, 0, 0, None if gidx is None else 0))(
+                lw[n], lw[n + SCALE], lw[n + ZERO], gidx)
+        return tuple(values(n) for n in names), None
+    scales = tuple(lw[n + "_scale"] for n in names) if names[0] + "_scale" in lw else None
+    return tuple(lw[n] for n in names), scales
+
+
 class SparseMoeMLP:
     """Mixin for a decoder class whose every layer's MLP is a sparse MoE block: put it
     before the dense class (``class X(SparseMoeMLP, Qwen3ForCausalLM)``) and name the
@@ -364,7 +382,6 @@ class SparseMoeMLP:
 
     def mlp(self, x, lw):
         c = self.config
-        names = ("experts_gate", "experts_up", "experts_down")
-        scales = tuple(lw[n + "_scale"] for n in names) if "experts_gate_scale" in lw else None
-        return moe_block(x, lw["router"], tuple(lw[n] for n in names), scales, top_k=c.num_experts_per_tok,
+        weights, scales = expert_stacks(lw, ("experts_gate", "experts_up", "experts_down"), x.dtype)
+        return moe_block(x, lw["router"], weights, scales, top_k=c.num_experts_per_tok,
                          normalize=c.norm_topk_prob, mesh=self.mesh, expert_parallel=c.expert_parallel)

@@ -345,7 +345,8 @@ def quantization_name(fmt: str) -> str:
 
 def write_int4_folder(src, dst, fmt: str, group_size: int = 128, float_dst=None) -> None:
     """A float32 single-file safetensors folder ``src`` with every decoder projection
-    (``model.layers.N.{self_attn,mlp}.*_proj.weight``) rounded to int4 in ``fmt`` (awq,
+    (``model.layers.N.{self_attn,mlp}.[...].*_proj.weight``: MoE experts and shared
+    experts too) rounded to int4 in ``fmt`` (awq,
     gptq with act-order, w4a16) by the reference packers, or to fp8 in blocks of
     ``group_size`` square ("fp8-block", the experts' and MLA's projections too, as
     DeepSeek-V3 ships), written to ``dst``; with ``float_dst``, the same rounded model as
@@ -362,7 +363,7 @@ def write_int4_folder(src, dst, fmt: str, group_size: int = 128, float_dst=None)
             "w4a16": lambda w: pack_w4a16(w, group_size),
             "fp8-block": lambda w: pack_fp8_block(w, (group_size, group_size))}[fmt]
     names = (r"model\.layers\.\d+\.(self_attn|mlp)\.([\w.]+\.)?\w+_proj(_with_mqa)?\.weight" if fmt == "fp8-block"
-             else r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
+             else r"model\.layers\.\d+\.(self_attn|mlp)\.([\w.]+\.)?\w+_proj\.weight")
     tensors = load_file(str(src / "model.safetensors"))
     floats, packed = dict(tensors), dict(tensors)
     for name, w in tensors.items():

@@ -75,8 +75,8 @@ def scale_weight(w: Weight) -> Weight:
 
 def int4_candidates(weight_map: dict[str, Weight]) -> list[str]:
     """The params an int4 checkpoint's projections may be served as int4: the per-layer
-    projections int8 takes, less the experts (their products are models/moe.py's)."""
-    return [n for n in quantized_names(weight_map) if n not in _EXPERTS]
+    projections int8 takes, MoE experts included (models/moe.py expert_stacks)."""
+    return quantized_names(weight_map)
 
 
 def int4_weights(w: Weight, arch: ModelArchConfig) -> dict[str, Weight]:

@@ -214,11 +214,19 @@ class SafetensorsCheckpoint:
         """(group size, act-order) shared by the checkpoint's int4 projections: the group
         size 0 for one scale per output row (channel), act-order when some GPTQ tensor's
         groups are out of order. ValueError when projections disagree on the group size."""
-        sizes, act_order = set(), False
+        sizes, act_order, single = set(), False, set()
         for name, groups in self._int4_projections():
-            sizes.add(0 if groups == 1 else self.tensors[name].shape[1] // groups)
+            n_in = self.tensors[name].shape[1]
+            if groups == 1:
+                single.add(n_in)  # one group: per channel, or a group of exactly its rows (an expert's down_proj)
+            else:
+                sizes.add(n_in // groups)
             parts = self.packed[name][1]
             act_order |= "g_idx" in parts and not packed_formats.in_order(self._whole(name, "g_idx"), groups)
+        if not sizes and single:
+            sizes.add(0)
+        elif single - sizes:
+            sizes.add(0)  # a one-group projection whose rows are not one group of the others' size
         if len(sizes) > 1:
             raise ValueError(f"{self.model_dir}: the int4 projections have different group sizes {sorted(sizes)}")
         return (sizes.pop() if sizes else 0), act_order

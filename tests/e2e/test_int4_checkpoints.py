@@ -183,3 +183,37 @@ def test_int4_phi3_fused_projections(tiny_models, tmp_path, fmt, kept):
         assert str(q.dtype) == "uint8"
     check_greedy(tmp_path / "float", llm, prompts(24, [9, 30]))
     check_prompt_logprobs(tmp_path / "float", llm, prompts(25, [20])[0])
+
+
+@pytest.mark.parametrize("arch, fmt", [("qwen3_moe", "awq"), ("qwen3_moe", "gptq"), ("qwen3_moe", "w4a16"),
+                                       ("deepseek_v3", "awq")])
+def test_int4_moe_experts_kept_as_int4(tiny_models, tmp_path, arch, fmt):
+    """A MoE checkpoint whose experts are int4 too (as AWQ / GPTQ MoE checkpoints ship):
+    the experts stay int4 codes with their group scales ([L, E, in, out] uint8 on CPU)
+    and are dequantized inside the step, a layer at a time; decoded at load on CPU by
+    default. Both give HF's tokens and logprobs on the same rounded weights. DeepSeek-V3:
+    its routed and shared experts, its dense first layer and MLA's q projections."""
+    # DeepSeek: q_lora_rank 32 (the tests' 24 is no whole group of 32 rows).
+    src = tiny_models(arch, **({"q_lora_rank": 32} if arch == "deepseek_v3" else {}))
+    write_int4_checkpoint(src, fmt, tmp_path / "float", tmp_path / fmt)
+    for kept in (True, False):
+        llm = make_llm(tmp_path / fmt, **({"quantization": pf.quantization_name(fmt)} if kept else {}))
+        if kept:
+            params = _served_params(llm)
+            gate = next(v for k, v in params.items() if k.endswith("experts_gate"))
+            assert str(gate.dtype) == "uint8" and gate.ndim == 4
+            assert any(k.endswith("experts_down_scale") for k in params)
+        check_greedy(tmp_path / "float", llm, prompts(26, [9, 30]))
+        check_prompt_logprobs(tmp_path / "float", llm, prompts(27, [20])[0])
+
+
+@pytest.mark.devices(2)
+def test_int4_moe_experts_kept_as_int4_expert_parallel(tiny_models, tmp_path):
+    """Expert parallel 2: each device holds its experts' int4 codes, scales and (act-order)
+    row groups whole; HF's tokens on the same rounded weights."""
+    src = tiny_models("qwen3_moe")
+    write_int4_checkpoint(src, "gptq", tmp_path / "float", tmp_path / "gptq")
+    llm = make_llm(tmp_path / "gptq", quantization="gptq", tensor_parallel_size=2, enable_expert_parallel=True)
+    gate = next(v for k, v in _served_params(llm).items() if k.endswith("experts_gate"))
+    assert gate.sharding.spec[1] == "model"  # [L, E, in, out]: split by experts
+    check_greedy(tmp_path / "float", llm, prompts(28, [12, 40]))
