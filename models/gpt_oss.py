@@ -20,7 +20,7 @@ from models.base import MODEL, Weight
 from models.config import ModelArchConfig
 from models.gemma2 import layer_types
 from models.llama import LAYER, LlamaForCausalLM
-from models.moe import _DENSE_MLP, moe_arch_fields, moe_block
+from models.moe import _DENSE_MLP, expert_stacks, moe_arch_fields, moe_block
 
 _L, _D, _E, _FE = "num_hidden_layers", "hidden_size", "num_experts", "moe_intermediate_size"
 _GATE_UP = LAYER + "mlp.experts.gate_up_proj"
@@ -71,8 +71,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def mlp(self, x, lw):
         c = self.config
-        scales = tuple(lw[n + "_scale"] for n in _EXPERTS) if "experts_gate_scale" in lw else None
-        return moe_block(x, lw["router"], tuple(lw[n] for n in _EXPERTS), scales, top_k=c.num_experts_per_tok,
+        weights, scales = expert_stacks(lw, _EXPERTS, x.dtype)
+        return moe_block(x, lw["router"], weights, scales, top_k=c.num_experts_per_tok,
                          normalize=True, mesh=self.mesh, expert_parallel=c.expert_parallel,
                          router_bias=lw["router_bias"], biases=tuple(lw[n + "_bias"] for n in _EXPERTS),
                          swiglu=c.swiglu)

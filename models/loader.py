@@ -17,7 +17,7 @@ from models.base import MODEL, dim_size
 from models.checkpoint import is_orbax_checkpoint, restore_orbax
 from models.config import ModelArchConfig
 from models.quantization import (GIDX, INT4_METHODS, KV_SCALE_TENSORS, SCALE, ZERO, check_quantization,
-                                 checkpoint_transform, int4_candidates, matmul_weight_names, quantized_names,
+                                 checkpoint_transform, matmul_weight_names, quantized_names,
                                  quantizer, read_checkpoint_quantization, read_kv_cache_scales)
 from models.registry import get_model_class
 from models.rope import longrope_settings
@@ -101,7 +101,8 @@ def _read_int4(model_path, arch, model_cls, *, mesh, dtype, progress, param_dtyp
     stored = checkpoint_arch(arch)
     wm, stored_wm = model_cls.weight_map(arch), model_cls.weight_map(stored)
     int4 = lambda n: all(t + "#codes" in ckpt.tensors for _, t in stored_wm[n].tensor_names(stored))
-    names = tuple(n for n in int4_candidates(wm) if int4(n))
+    # Every projection int8 would take, MoE experts included (models/moe.py expert_stacks).
+    names = tuple(n for n in quantized_names(wm) if int4(n))
     for n in names:
         d_in, p_in = wm[n].dims[-2], wm[n].partition[-2]
         local = dim_size(arch, d_in) // (mesh.shape[p_in] if p_in else 1)

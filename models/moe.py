@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from models.base import MODEL, Weight
 from models.llama import LAYER
+from models.quantization import GIDX, SCALE, ZERO, dequantize_int4
 
 EP_STRATEGIES = ("allgather", "alltoall")
 # Set while tracing a differentiated forward (jaxserve/runner/dense_forward.py): the CPU
@@ -342,14 +343,11 @@ def expert_stacks(lw: dict, names: tuple[str, str, str], dtype):
     int8 scales if any, or, for experts kept in int4 (an int4 checkpoint's codes with
     their group scales and zeros; models/quantization.py), their values in ``dtype``,
     dequantized inside the step one layer at a time (the stored weights stay int4)."""
-    from models.quantization import GIDX, SCALE, ZERO, dequantize_int4
-
     if names[0] + ZERO in lw:
         def values(n):
             gidx = lw.get(n + GIDX)
-            fn = functools.partial(dequantize_int4, dtype=dtype)
-            return jax.vmap(lambda c, s, z, g: fn(c, s, z, g), in_axes=(0, 0, 0, None if gidx is None else 0))(
-                lw[n], lw[n + SCALE], lw[n + ZERO], gidx)
+            return jax.vmap(functools.partial(dequantize_int4, dtype=dtype),
+                            in_axes=(0, 0, 0, None if gidx is None else 0))(lw[n], lw[n + SCALE], lw[n + ZERO], gidx)
         return tuple(values(n) for n in names), None
     scales = tuple(lw[n + "_scale"] for n in names) if names[0] + "_scale" in lw else None
     return tuple(lw[n] for n in names), scales

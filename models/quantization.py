@@ -73,12 +73,6 @@ def scale_weight(w: Weight) -> Weight:
                                sharding=part[:drop] + part[drop + 1:], transpose=False)
 
 
-def int4_candidates(weight_map: dict[str, Weight]) -> list[str]:
-    """The params an int4 checkpoint's projections may be served as int4: the per-layer
-    projections int8 takes, MoE experts included (models/moe.py expert_stacks)."""
-    return quantized_names(weight_map)
-
-
 def int4_weights(w: Weight, arch: ModelArchConfig) -> dict[str, Weight]:
     """The params an int4 projection ``w`` [..., in, out] is served as, by suffix: its
     codes ("", uint4 (uint8 on CPU), the same layout), ``SCALE`` and ``ZERO`` (float32 [..., G, out]) and,

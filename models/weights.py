@@ -223,10 +223,8 @@ class SafetensorsCheckpoint:
                 sizes.add(n_in // groups)
             parts = self.packed[name][1]
             act_order |= "g_idx" in parts and not packed_formats.in_order(self._whole(name, "g_idx"), groups)
-        if not sizes and single:
+        if single - sizes:  # a one-group projection whose rows are not one group of the others' size
             sizes.add(0)
-        elif single - sizes:
-            sizes.add(0)  # a one-group projection whose rows are not one group of the others' size
         if len(sizes) > 1:
             raise ValueError(f"{self.model_dir}: the int4 projections have different group sizes {sorted(sizes)}")
         return (sizes.pop() if sizes else 0), act_order

@@ -47,6 +47,11 @@ class Gemma3ImageProcessor:
                 kw[k] = tuple(cfg[k])
         return cls(vision.image_size, vision.patch_size, vision.tokens_per_image, **kw)
 
+    @property
+    def max_tokens(self) -> int:
+        """Placeholder tokens of any image."""
+        return self.tokens_per_image
+
     def __call__(self, img) -> ProcessedImage:
         """img: an RGB PIL image (jaxserve.multimodal.image.load_image)."""
         from PIL import Image

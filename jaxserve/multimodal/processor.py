@@ -58,11 +58,8 @@ class MultiModalProcessor:
 
     @property
     def max_tokens_per_image(self) -> int:
-        """The placeholder tokens of the largest image (Qwen: max_pixels)."""
-        ip = self.image_processor
-        if self.arch.vision.kind == "siglip":
-            return ip.tokens_per_image
-        return ip.max_pixels // (ip.patch_size * ip.merge_size) ** 2
+        """The placeholder tokens of the largest image."""
+        return self.image_processor.max_tokens
 
     def process(self, ids: list[int], images: list) -> tuple[list[int], MultiModalPrompt]:
         """ids (with one placeholder per image) and the images -> (the expanded ids,

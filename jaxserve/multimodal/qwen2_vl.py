@@ -74,6 +74,11 @@ class Qwen2VLImageProcessor:
     def target_size(self, height: int, width: int) -> tuple[int, int]:
         return smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
 
+    @property
+    def max_tokens(self) -> int:
+        """Placeholder tokens of the largest image (max_pixels)."""
+        return self.max_pixels // (self.patch_size * self.merge_size) ** 2
+
     def num_tokens(self, height: int, width: int) -> int:
         """Placeholder tokens of an image of height x width pixels."""
         h, w = self.target_size(height, width)

@@ -139,6 +139,13 @@ KERNELS = {
 }
 
 
+def run_kernel(kernel: str, batch: Batch, **kw) -> np.ndarray:
+    """KERNELS[kernel] on ``batch`` (jitted; ``kw``: its keyword arguments, arrays
+    included) with f32 matmuls in full precision, as numpy."""
+    with jax.default_matmul_precision("highest"):
+        return np.asarray(jax.jit(lambda *a: KERNELS[kernel](*a, **kw))(*batch.args()))
+
+
 # The reference, jitted (eager dispatch of its loop costs seconds per call).
 _reference_jit = jax.jit(reference.ragged_paged_attention, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 

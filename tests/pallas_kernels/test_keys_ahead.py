@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import reference
-from rpa_cases import KERNELS, make_batch, naive_attention
+from rpa_cases import KERNELS, make_batch, naive_attention, run_kernel
 
 # (seqs, window, images as (request, first token within the step, length)): the images
 # lie within each request's tokens of this step. Decode-sized (T <= R: the (token, page)
@@ -46,10 +46,7 @@ KERNEL_CASES = [(k, n) for k in KERNELS if k != "reference" for n in BATCHES if 
 def check(kernel, name):
     b, ahead = _batch(name)
     kw = dict(sm_scale=32 ** -0.5, sliding_window=BATCHES[name].get("window"))
-    with jax.default_matmul_precision("highest"):
-        out = jax.jit(lambda *a: KERNELS[kernel](*a, **kw, keys_ahead=jnp.asarray(ahead)))(*b.args())
-        plain = jax.jit(lambda *a: KERNELS[kernel](*a, **kw))(*b.args())
-    out, plain = np.asarray(out), np.asarray(plain)
+    out, plain = run_kernel(kernel, b, **kw, keys_ahead=jnp.asarray(ahead)), run_kernel(kernel, b, **kw)
     t = sum(q for q, _ in b.seqs)
     np.testing.assert_allclose(out[:t], naive_attention(b, **kw, keys_ahead=ahead)[:t], atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(out[t:], 0.0)

@@ -4,13 +4,12 @@ kernel (the reference's three paths, the native CPU kernel, the GPU and TPU Pall
 kernels interpreted) against the float64 loop, and both KV writes."""
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import cpu, kv_cache_update, reference
-from rpa_cases import KERNELS, make_batch, naive_attention
+from rpa_cases import KERNELS, make_batch, naive_attention, run_kernel
 
 # decode-sized (the (token, page) pairs), mixed with a window (one pass over the pages),
 # and a step of >= 512 tokens (this step's tiles and the cached prefix, merged).
@@ -39,8 +38,7 @@ def test_latent_cache_matches_naive(kernel, name):
     b = _batch(name)
     assert b.kv_cache.shape[-2] == 1
     kw = dict(sm_scale=0.1)
-    with jax.default_matmul_precision("highest"):
-        out = np.asarray(jax.jit(lambda *a: KERNELS[kernel](*a, **kw))(*b.args()))
+    out = run_kernel(kernel, b, **kw)
     t = sum(q for q, _ in b.seqs)
     np.testing.assert_allclose(out[:t], naive_attention(b, **kw)[:t], atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(out[t:], 0.0)
@@ -69,8 +67,7 @@ def test_native_kernel_takes_deepseek_latent_rows(head_dim, name):
     spec = BATCHES[name]
     kw = {k: v for k, v in spec.items() if k in ("pad_tokens", "pad_seqs")}
     b = make_batch(spec["seqs"], num_heads=4, head_dim=head_dim, page_size=16, seed=5, latent=True, **kw)
-    with jax.default_matmul_precision("highest"):
-        out = np.asarray(jax.jit(lambda *a: cpu.ragged_paged_attention(*a, sm_scale=0.05))(*b.args()))
+    out = run_kernel("native", b, sm_scale=0.05)
     t = sum(q for q, _ in b.seqs)
     np.testing.assert_allclose(out[:t], naive_attention(b, sm_scale=0.05)[:t], atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(out[t:], 0.0)

@@ -3,12 +3,11 @@ denominator) in every kernel: the reference's three paths, the native CPU kernel
 GPU and TPU Pallas kernels interpreted, against the float64 loop."""
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rpa_cases import KERNELS, make_batch, naive_attention
+from rpa_cases import KERNELS, make_batch, naive_attention, run_kernel
 
 # decode-sized (T <= R: the (token, page) pairs), mixed (one pass over the pages), and a
 # step of >= 512 tokens (this step's tiles and the cached prefix, merged).
@@ -36,10 +35,7 @@ def test_sinks_match_naive(kernel, name):
     # Large and small sinks: one dominating the keys, one negligible, the rest in between.
     sinks = np.array([4.0, -9.0, 0.5, 1.5, -0.3, 12.0], np.float32)
     kw = dict(sm_scale=64 ** -0.5, sliding_window=BATCHES[name].get("window"))
-    with jax.default_matmul_precision("highest"):
-        out = jax.jit(lambda *a: KERNELS[kernel](*a, **kw, sinks=jnp.asarray(sinks)))(*b.args())
-        plain = jax.jit(lambda *a: KERNELS[kernel](*a, **kw))(*b.args())
-    out, plain = np.asarray(out), np.asarray(plain)
+    out, plain = run_kernel(kernel, b, **kw, sinks=jnp.asarray(sinks)), run_kernel(kernel, b, **kw)
     t = sum(q for q, _ in b.seqs)
     np.testing.assert_allclose(out[:t], naive_attention(b, **kw, sinks=sinks)[:t], atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(out[t:], 0.0)
