@@ -21,7 +21,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import Mesh
 
 from models.base import MODEL, CausalLM, Weight, make_param

@@ -75,12 +75,13 @@ class ModelArchConfig:
     expert_parallel: bool = False
     # Weight-only quantization of the projections at load (models/quantization.py).
     quantization: str | None = None
-    # quantization "int4": an int4 checkpoint's projections kept as int4 (models/quantization.py):
-    # these params, in groups of int4_group_size input rows (0: one group, per output
-    # channel), each input row's group looked up (int4_act_order: GPTQ's desc_act).
-    int4_params: tuple[str, ...] = ()
-    int4_group_size: int = 0
-    int4_act_order: bool = False
+    # quantization "int4", "fp8-block" or "mxfp4" (models/quantization.py GROUP_SCALED): a packed
+    # checkpoint's projections kept as stored, codes with a scale per group of input rows:
+    # these params, in groups of group_size input rows (0: one group, per output
+    # channel), each input row's group looked up (act_order: GPTQ's desc_act).
+    grouped_params: tuple[str, ...] = ()
+    group_size: int = 0
+    act_order: bool = False
     # (k_scale, v_scale) of a float8 KV cache, from the checkpoint (kv_cache_scheme); None: 1.0.
     kv_cache_scales: tuple[float, float] | None = None
     bos_token_id: int | None = None

@@ -16,7 +16,7 @@ from models import packed_formats
 from models.base import MODEL, dim_size
 from models.checkpoint import is_orbax_checkpoint, restore_orbax
 from models.config import ModelArchConfig
-from models.quantization import (GIDX, INT4_METHODS, KV_SCALE_TENSORS, SCALE, ZERO, check_quantization,
+from models.quantization import (GIDX, KEPT_METHODS, KV_SCALE_TENSORS, SCALE, ZERO, check_quantization,
                                  checkpoint_transform, matmul_weight_names, quantized_names,
                                  quantizer, read_checkpoint_quantization, read_kv_cache_scales)
 from models.registry import get_model_class
@@ -51,12 +51,12 @@ def load_model(model_path: str | Path, *, mesh: Mesh, dtype, progress: bool = Tr
     arch = arch_for_tensor_parallel(arch, mesh.shape[MODEL], model_cls, expert_parallel=expert_parallel)
     hf_cfg = json.loads((Path(model_path) / "config.json").read_text())
     packed = packed_formats.packed_method(hf_cfg.get("quantization_config"))
-    keep_int4 = _keeps_int4(packed, quantization, jax.default_backend())
-    if not keep_int4:
+    keep = _keeps_packed(packed, quantization, jax.default_backend())
+    if not keep:
         packed_formats.check_platform(packed, jax.default_backend())
     stored = read_checkpoint_quantization(hf_cfg)
-    if keep_int4:
-        arch, params = _read_int4(model_path, arch, model_cls, mesh=mesh, dtype=dtype, progress=progress,
+    if keep:
+        arch, params = _read_kept(model_path, arch, model_cls, packed, mesh=mesh, dtype=dtype, progress=progress,
                                   param_dtype=param_dtype)
     elif stored is not None:
         arch, params = _read_prequantized(model_path, arch, model_cls, stored, quantization, mesh=mesh, dtype=dtype,
@@ -74,48 +74,52 @@ def load_model(model_path: str | Path, *, mesh: Mesh, dtype, progress: bool = Tr
     return arch, graphdef, place_variables(state, mesh)
 
 
-def _keeps_int4(packed: str | None, quantization: str | None, platform: str) -> bool:
-    """Whether an int4 checkpoint (AWQ, GPTQ, pack-quantized) is served with its weights
-    kept as int4 (models/quantization.py: dequantized inside each product): always on TPU
-    / GPU, on CPU when ``quantization`` names its format (vLLM's --quantization awq /
-    gptq / compressed-tensors); otherwise the CPU decodes it to floats at load (as fast
-    there, measured by benchmarks/bench_quantization.py, with no dequantization per
-    step). ValueError for a format name that is not the checkpoint's."""
-    if quantization in INT4_METHODS:
-        if packed not in packed_formats.INT4_FORMATS or packed_formats.INT4_QUANTIZATION[packed] != quantization:
-            raise ValueError(f"quantization={quantization!r} names an int4 checkpoint format, but the checkpoint is "
-                             f"{packed_formats.INT4_QUANTIZATION.get(packed, packed) or 'not packed int4'}")
+def _keeps_packed(packed: str | None, quantization: str | None, platform: str) -> bool:
+    """Whether a packed checkpoint (AWQ, GPTQ, pack-quantized, fp8 blocks, MXFP4) is
+    served with its weights kept as stored (models/quantization.py: dequantized inside
+    each product): always on TPU / GPU, on CPU when ``quantization`` names its format
+    (vLLM's --quantization awq / gptq / compressed-tensors / fp8 / mxfp4); otherwise the
+    CPU decodes it to floats at load (as fast there, measured by
+    benchmarks/bench_quantization.py, with no dequantization per step). ValueError for a
+    format name that is not the checkpoint's. (fp8 on a plain checkpoint is quantization
+    at load, per channel.)"""
+    if quantization in KEPT_METHODS or (quantization == "fp8" and packed == "fp8"):
+        if packed_formats.KEPT_QUANTIZATION.get(packed) != quantization:
+            raise ValueError(f"quantization={quantization!r} names a packed checkpoint format, but the checkpoint is "
+                             f"{packed_formats.KEPT_QUANTIZATION.get(packed, packed) or 'not packed'}")
         return True
-    return packed in packed_formats.INT4_FORMATS and quantization is None and platform != "cpu"
+    return packed is not None and quantization is None and platform != "cpu"
 
 
-def _read_int4(model_path, arch, model_cls, *, mesh, dtype, progress, param_dtype=None):
-    """(arch, params) of an int4 checkpoint served as int4: each projection the checkpoint
-    holds in int4 is read as its codes (uint4; uint8 on CPU), scales, zeros (float32) and, under
-    act-order, each input row's group (``quantization.int4_weights``); the rest as
-    floats."""
+def _read_kept(model_path, arch, model_cls, packed: str, *, mesh, dtype, progress, param_dtype=None):
+    """(arch, params) of a packed checkpoint served as stored: each projection the
+    checkpoint packs is read as its codes (int4 / e2m1: uint4, uint8 on CPU; fp8: float8
+    e4m3), float32 group scales, int4's zeros and, under act-order, each input row's group
+    (``quantization.group_scaled_weights``); the rest as floats."""
     ckpt = SafetensorsCheckpoint(model_path)
-    group, act_order = ckpt.int4_layout()
-    ckpt.add_int4_views(act_order)
-    arch = dataclasses.replace(arch, quantization="int4", int4_group_size=group, int4_act_order=act_order)
+    group, act_order = ckpt.group_layout()
+    ckpt.add_code_views(act_order)
+    kind = packed_formats.KEPT_KIND[packed]
+    arch = dataclasses.replace(arch, quantization=kind, group_size=group, act_order=act_order)
     stored = checkpoint_arch(arch)
     wm, stored_wm = model_cls.weight_map(arch), model_cls.weight_map(stored)
-    int4 = lambda n: all(t + "#codes" in ckpt.tensors for _, t in stored_wm[n].tensor_names(stored))
+    kept = lambda n: all(t + "#codes" in ckpt.tensors for _, t in stored_wm[n].tensor_names(stored))
     # Every projection int8 would take, MoE experts included (models/moe.py expert_stacks).
-    names = tuple(n for n in quantized_names(wm) if int4(n))
+    names = tuple(n for n in quantized_names(wm) if kept(n))
     for n in names:
         d_in, p_in = wm[n].dims[-2], wm[n].partition[-2]
         local = dim_size(arch, d_in) // (mesh.shape[p_in] if p_in else 1)
         if group and not act_order and local % group:
             raise ValueError(f"{model_path}: {n}'s {local} input rows per device are not whole groups of {group}; "
                              "use a tensor-parallel size that splits them into whole groups")
-    arch = dataclasses.replace(arch, int4_params=names)
-    logger.info("%s: %d projections kept in int4 (groups of %s%s)", model_path, len(names), group or "all rows",
-                ", act-order" if act_order else "")
+    arch = dataclasses.replace(arch, grouped_params=names)
+    logger.info("%s: %d projections kept as %s (groups of %s%s)", model_path, len(names), kind,
+                group or "all rows", ", act-order" if act_order else "")
     dtypes = _narrow_dtypes(wm, dtype, param_dtype, quantized=True)
+    codes = jnp.float8_e4m3fn if kind == "fp8-block" else jnp.uint8
     for n in names:
-        dtypes |= {n: jnp.uint8, n + SCALE: jnp.float32, n + ZERO: jnp.float32, n + GIDX: jnp.int32}
-    # The codes are read as uint8 and narrowed to uint4 on TPU / GPU, on the devices: a
+        dtypes |= {n: codes, n + SCALE: jnp.float32, n + ZERO: jnp.float32, n + GIDX: jnp.int32}
+    # 4-bit codes are read as uint8 and narrowed to uint4 on TPU / GPU, on the devices: a
     # uint4 array made from host buffers has one code per byte, not the packed layout the
     # compiled step expects. On CPU they stay uint8: XLA:CPU's runtime keeps even a jit's
     # uint4 output one code per byte while its ahead-of-time compiled step asks for packed
@@ -131,7 +135,7 @@ def _read_int4(model_path, arch, model_cls, *, mesh, dtype, progress, param_dtyp
 
     params = stream_safetensors(model_path, arch, model_cls, mesh, dtype, progress=progress, param_dtypes=dtypes,
                                 extra_ignored=(KV_SCALE_TENSORS,), ckpt=ckpt,
-                                transform=None if jax.default_backend() == "cpu" else narrow)
+                                transform=None if jax.default_backend() == "cpu" or kind == "fp8-block" else narrow)
     return arch, params
 
 

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from models.base import MODEL, Weight
 from models.llama import LAYER
-from models.quantization import GIDX, SCALE, ZERO, dequantize_int4
+from models.quantization import GIDX, SCALE, ZERO, dequantize_groups
 
 EP_STRATEGIES = ("allgather", "alltoall")
 # Set while tracing a differentiated forward (jaxserve/runner/dense_forward.py): the CPU
@@ -340,16 +340,19 @@ def moe_arch_fields(cfg: dict, *, num_experts: int, moe_intermediate_size: int, 
 
 def expert_stacks(lw: dict, names: tuple[str, str, str], dtype):
     """(weights, scales) of a layer's experts for ``moe_block``: as stored, with their
-    int8 scales if any, or, for experts kept in int4 (an int4 checkpoint's codes with
-    their group scales and zeros; models/quantization.py), their values in ``dtype``,
-    dequantized inside the step one layer at a time (the stored weights stay int4)."""
-    if names[0] + ZERO in lw:
+    int8 scales if any, or, for experts kept as a packed checkpoint stores them (int4,
+    fp8 or e2m1 codes with their group scales; models/quantization.py), their values in
+    ``dtype``, dequantized inside the step one layer at a time (the stored weights stay
+    packed)."""
+    scale = lw.get(names[0] + SCALE)
+    if scale is not None and scale.ndim == lw[names[0]].ndim:  # [E, G, out] group scales
         def values(n):
-            gidx = lw.get(n + GIDX)
-            return jax.vmap(functools.partial(dequantize_int4, dtype=dtype),
-                            in_axes=(0, 0, 0, None if gidx is None else 0))(lw[n], lw[n + SCALE], lw[n + ZERO], gidx)
+            zero, gidx = lw.get(n + ZERO), lw.get(n + GIDX)
+            return jax.vmap(functools.partial(dequantize_groups, dtype=dtype),
+                            in_axes=(0, 0, None if zero is None else 0, None if gidx is None else 0)
+                            )(lw[n], lw[n + SCALE], zero, gidx)
         return tuple(values(n) for n in names), None
-    scales = tuple(lw[n + "_scale"] for n in names) if names[0] + "_scale" in lw else None
+    scales = tuple(lw[n + SCALE] for n in names) if scale is not None else None
     return tuple(lw[n] for n in names), scales
 
 

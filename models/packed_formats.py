@@ -25,11 +25,11 @@ weight updates see a plain checkpoint.
 
 They are decoded on the host (float32; MXFP4 in bfloat16, exact), so on CPU the model then
 runs at the float model's speed with the quantized model's values
-(benchmarks/bench_quantization.py measures both). The int4 formats can instead be served
-with their weights kept as int4 (``Int4Parts``: the codes, zeros and scales unpacked but
-not decoded; models/quantization.py dequantizes them inside each product), the default
-on TPU / GPU. MXFP4 and fp8 blocks have only the decoded path, so the loader refuses
-them there (``check_platform``).
+(benchmarks/bench_quantization.py measures both). Or the weights are kept as stored, the
+default on TPU / GPU: each projection's codes (int4: ``Int4Parts``, unpacked but not
+decoded; fp8: the e4m3 values; MXFP4: the e2m1 codes) with a float32 scale per group of
+input rows and output column (fp8: its block's; MXFP4: its power of two), dequantized
+inside each product by models/quantization.py (``dequantize_groups``).
 """
 from __future__ import annotations
 
@@ -45,6 +45,11 @@ PACK_QUANTIZED = "compressed-tensors/pack-quantized"
 INT4_FORMATS = ("awq", "gptq", PACK_QUANTIZED)  # the formats an int4-served model keeps as int4
 # vLLM's --quantization name of each: asking for it keeps the weights in int4 on any platform.
 INT4_QUANTIZATION = {"awq": "awq", "gptq": "gptq", PACK_QUANTIZED: "compressed-tensors"}
+# Every format that can be kept as stored, with the --quantization name that asks for it
+# (vLLM's: fp8 for block-scaled fp8, mxfp4) and the kind of codes it keeps
+# (ModelArchConfig.quantization; models/quantization.py GROUP_SCALED).
+KEPT_QUANTIZATION = INT4_QUANTIZATION | {"fp8": "fp8", "mxfp4": "mxfp4"}
+KEPT_KIND = dict.fromkeys(INT4_FORMATS, "int4") | {"fp8": "fp8-block", "mxfp4": "mxfp4"}
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds column _AWQ_ORDER[i] of its eight
 
 
@@ -92,10 +97,12 @@ def packed_method(qc: dict | None) -> str | None:
 
 
 def check_platform(method: str | None, platform: str) -> None:
-    """Packed formats are decoded to floats at load, which only the CPU is served with."""
+    """A packed checkpoint decoded to floats at load (to be quantized again, e.g. int8):
+    only on CPU; TPU / GPU keep its weights as stored."""
     if method is not None and platform != "cpu":
-        raise ValueError(f"{method} checkpoints are served on CPU only for now (decoded to floats at load); on TPU "
-                         "/ GPU serve the model's bf16 checkpoint")
+        raise ValueError(f"{method} checkpoints are decoded to floats at load on CPU only; on TPU / GPU they are "
+                         f"served as stored: leave --quantization unset or name the checkpoint's format "
+                         f"({KEPT_QUANTIZATION[method]})")
 
 
 def unpack_int4(packed: np.ndarray, axis: int, order=tuple(range(8))) -> np.ndarray:
@@ -110,17 +117,32 @@ def unpack_int4(packed: np.ndarray, axis: int, order=tuple(range(8))) -> np.ndar
     return out.reshape(shape).astype(np.uint8)
 
 
+def mxfp4_codes(blocks: np.ndarray) -> np.ndarray:
+    """blocks uint8 [R, G, 16] -> their e2m1 codes, uint8 [R, G * 32] (low nibble first)."""
+    return np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(blocks.shape[0], -1)
+
+
+def mxfp4_scales(scales: np.ndarray) -> np.ndarray:
+    """e8m0 exponents uint8 [R, G] -> the powers of two they stand for, float32 [R, G]."""
+    return np.ldexp(np.float32(1), scales.astype(np.int32) - 127).astype(np.float32)
+
+
 def decode_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """blocks uint8 [R, G, 16], scales uint8 [R, G] -> float32 [R, G * 32]."""
-    exps = scales.astype(np.int32) - 127
-    values = np.stack([_FP4_VALUES[blocks & 0x0F], _FP4_VALUES[blocks >> 4]], axis=-1)  # low nibble first
-    return np.ldexp(values.reshape(*blocks.shape[:-1], MXFP4_BLOCK), exps[..., None]).reshape(blocks.shape[0], -1)
+    values = _FP4_VALUES[mxfp4_codes(blocks)].reshape(*blocks.shape[:-1], MXFP4_BLOCK)
+    return (values * mxfp4_scales(scales)[..., None]).reshape(blocks.shape[0], -1)
 
 
 def _per_element(block_scales, block, shape) -> np.ndarray:
     """Per-block scales [ceil(out / b0), ceil(in / b1)] spread over ``shape`` [out, in]."""
     full = np.repeat(np.repeat(np.asarray(block_scales, np.float32), block[0], 0), block[1], 1)
     return full[:shape[0], :shape[1]]
+
+
+def fp8_group_scales(scale_inv, block, out: int) -> np.ndarray:
+    """Per-block scales [ceil(out / b0), G] -> each output row's scale per group of b1
+    input columns, float32 [out, G] (the layout of an int4 projection's group scales)."""
+    return np.repeat(np.asarray(scale_inv, np.float32), block[0], axis=0)[:out]
 
 
 def decode_fp8_block(weight, scale_inv, block) -> np.ndarray:

@@ -36,9 +36,13 @@ from models.sharding import checkpoint_arch, source_indices
 from pallas_kernels import cpu_matmul
 from pallas_kernels.storage import from_bf16_bits, to_bf16_bits
 
-QUANTIZATION_METHODS = ("int8", "fp8")  # quantized at load; "int4": kept from an int4 checkpoint
-# --quantization values that name an int4 checkpoint's format: its weights kept as int4.
+QUANTIZATION_METHODS = ("int8", "fp8")  # quantized at load (fp8 on an fp8-block checkpoint: kept)
+# --quantization values that name a packed checkpoint's format: its weights kept as stored.
 INT4_METHODS = tuple(packed_formats.INT4_QUANTIZATION.values())
+KEPT_METHODS = INT4_METHODS + ("mxfp4",)
+# ModelArchConfig.quantization of a model served with a packed checkpoint's weights as stored:
+# codes (int4 with zero points, fp8 values, e2m1) with a float32 scale per group of input rows.
+GROUP_SCALED = ("int4", "fp8-block", "mxfp4")
 WEIGHT_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 SCALE = "_scale"
 ZERO = "_zero"  # an int4 weight's zero points, [..., G, out]
@@ -73,35 +77,38 @@ def scale_weight(w: Weight) -> Weight:
                                sharding=part[:drop] + part[drop + 1:], transpose=False)
 
 
-def int4_weights(w: Weight, arch: ModelArchConfig) -> dict[str, Weight]:
-    """The params an int4 projection ``w`` [..., in, out] is served as, by suffix: its
-    codes ("", uint4 (uint8 on CPU), the same layout), ``SCALE`` and ``ZERO`` (float32 [..., G, out]) and,
-    under act-order, ``GIDX`` (int32 [..., in]), each read from the checkpoint's int4 views
-    (models/weights.py: add_int4_views). The groups are split like the ``in`` axis
-    where each device holds whole groups of its rows; else (one group, act-order) whole."""
+def group_scaled_weights(w: Weight, arch: ModelArchConfig) -> dict[str, Weight]:
+    """The params a projection ``w`` [..., in, out] kept as stored is served as, by
+    suffix: its codes ("", the same layout: uint4 (uint8 on CPU) int4 or e2m1 codes, or
+    float8 e4m3), ``SCALE`` (float32 [..., G, out]) and, for int4, ``ZERO`` (the same)
+    and, under act-order, ``GIDX`` (int32 [..., in]), each read from the checkpoint's
+    code views (models/weights.py: add_code_views). The groups are split like the ``in``
+    axis where each device holds whole groups of its rows; else (one group, act-order)
+    whole."""
     *lead, d_in, d_out = w.dims
     *lead_part, p_in, p_out = w.partition
-    g = arch.int4_group_size
+    g = arch.group_size
     group_dim = f"{d_in}//{g}" if g else "1"
-    p_group = p_in if g and not arch.int4_act_order else None
+    p_group = p_in if g and not arch.act_order else None
     groups = dataclasses.replace(w, dims=(*lead, group_dim, d_out), sharding=(*lead_part, p_group, p_out))
     out = {"": dataclasses.replace(w, hf_name=w.hf_name + "#codes"),
-           SCALE: dataclasses.replace(groups, hf_name=w.hf_name + "#scales"),
-           ZERO: dataclasses.replace(groups, hf_name=w.hf_name + "#zeros")}
-    if arch.int4_act_order:
+           SCALE: dataclasses.replace(groups, hf_name=w.hf_name + "#scales")}
+    if arch.quantization == "int4":
+        out[ZERO] = dataclasses.replace(groups, hf_name=w.hf_name + "#zeros")
+    if arch.act_order:
         out[GIDX] = Weight(w.hf_name + "#gidx", (*lead, d_in), (*lead_part, p_in), layer_offset=w.layer_offset)
     return out
 
 
 def checkpoint_weight_map(model_cls, arch: ModelArchConfig) -> dict[str, Weight]:
     """What the model reads from its checkpoint: ``model_cls.weight_map(arch)``, with each
-    of ``arch.int4_params`` read as its int4 parts (``int4_weights``)."""
+    of ``arch.grouped_params`` read as its parts (``group_scaled_weights``)."""
     wm = model_cls.weight_map(arch)
-    if arch.quantization != "int4":
+    if arch.quantization not in GROUP_SCALED:
         return wm
     out = {}
     for n, w in wm.items():
-        parts = int4_weights(w, arch) if n in arch.int4_params else {"": w}
+        parts = group_scaled_weights(w, arch) if n in arch.grouped_params else {"": w}
         out |= {n + suffix: part for suffix, part in parts.items()}
     return out
 
@@ -116,25 +123,43 @@ def param_map(model_cls, arch: ModelArchConfig) -> dict[str, Weight]:
 
 
 def check_quantization(method: str | None) -> None:
-    if method is not None and method not in QUANTIZATION_METHODS + INT4_METHODS:
+    if method is not None and method not in QUANTIZATION_METHODS + KEPT_METHODS:
         raise ValueError(f"quantization={method!r} is not supported; allowed values: "
-                         f"{', '.join(QUANTIZATION_METHODS + INT4_METHODS)} (or none)")
+                         f"{', '.join(QUANTIZATION_METHODS + KEPT_METHODS)} (or none)")
 
 
-def dequantize_int4(codes, scale, zero, gidx, dtype):
-    """An int4 weight's values in ``dtype``: codes uint4 / uint8 [in, out], scale and zero float32
-    [G, out], gidx None (groups of in / G consecutive rows) or int32 [in] (each row's
-    group) -> [in, out] = (codes - zero) * scale, computed in float32 as the checkpoint
-    reader decodes it (the same values as the float view). Inside the step's jit, XLA
-    can fuse this into the dot's operand on TPU / GPU (not measured on hardware yet),
-    and the weights stay int4 in memory either way."""
-    q = codes.astype(jnp.float32)
+def e2m1_values(codes):
+    """MXFP4's 4-bit float codes (uint4 / uint8: sign bit 3, exponent bits 2-1, mantissa
+    bit 0) -> their values, float32: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives. In
+    integer arithmetic (four times each value, one conversion), which fuses into the
+    product's operand where a table lookup would be a gather."""
+    c = codes.astype(jnp.int32)
+    e, m = (c >> 1) & 3, c & 1
+    quarters = jnp.where(e == 0, m << 1, (2 + m) << e)
+    return jnp.where(c & 8, -0.25, 0.25) * quarters.astype(jnp.float32)
+
+
+def dequantize_groups(codes, scale, zero, gidx, dtype):
+    """A weight kept as stored (``GROUP_SCALED``) in ``dtype``: codes [in, out] (uint4 /
+    uint8 int4 codes with ``zero``, uint4 / uint8 e2m1 codes without, or float8 values),
+    scale and zero float32 [G, out], gidx None (groups of in / G consecutive rows) or
+    int32 [in] (each row's group) -> [in, out] = (value - zero) * scale, computed in
+    float32 as the checkpoint reader decodes it (the same values as the float view).
+    Inside the step's jit, XLA can fuse this into the dot's operand on TPU / GPU (not
+    measured on hardware yet), and the weights stay as stored in memory either way."""
+    if jnp.issubdtype(codes.dtype, jnp.floating):
+        q = codes.astype(jnp.float32)
+    elif zero is None:
+        q = e2m1_values(codes)
+    else:
+        q = codes.astype(jnp.float32)
     if gidx is not None:
         w = (q - zero[gidx]) * scale[gidx]
     else:
         groups, (n_in, n_out) = scale.shape[-2], codes.shape[-2:]
         q = q.reshape(groups, n_in // groups, n_out)
-        w = ((q - zero[:, None]) * scale[:, None]).reshape(n_in, n_out)
+        w = (q if zero is None else q - zero[:, None]) * scale[:, None]
+        w = w.reshape(n_in, n_out)
     return w.astype(dtype)
 
 
@@ -290,8 +315,8 @@ def linear(x, lw: dict, name: str):
     scale = lw.get(name + SCALE)
     if scale is None:
         y = matmul(x, w)
-    elif scale.ndim == w.ndim:  # int4 with group scales
-        y = matmul(x, dequantize_int4(w, scale, lw[name + ZERO], lw.get(name + GIDX), x.dtype))
+    elif scale.ndim == w.ndim:  # kept as stored, with group scales
+        y = matmul(x, dequantize_groups(w, scale, lw.get(name + ZERO), lw.get(name + GIDX), x.dtype))
     else:
         wide = w.astype(x.dtype)
         product = invariant_matmul(x, wide, native=False) if batch_invariance.active() else x @ wide

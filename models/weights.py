@@ -110,7 +110,7 @@ class SafetensorsCheckpoint:
                     name = _canonical_name(name)
                     self.tensors[name] = TensorInfo(path, t["dtype"], tuple(t["shape"]), 8 + size + t["data_offsets"][0])
         self.packed: dict[str, tuple[str, dict[str, TensorInfo]]] = {}  # name -> (format, its parts)
-        self.views: dict[str, tuple[str, str]] = {}  # add_int4_views: view name -> (float view, part)
+        self.views: dict[str, tuple[str, str]] = {}  # add_code_views: view name -> (float view, part)
         config = self.model_dir / "config.json"
         qc = json.loads(config.read_text()).get("quantization_config") if config.exists() else None
         self._find_packed(packed_formats.packed_method(qc), qc or {})
@@ -172,7 +172,7 @@ class SafetensorsCheckpoint:
         scratch buffer of whole rows."""
         self.dtype(name)  # a clear error for a dtype no param may have
         if name in self.views:
-            return self._read_int4_view(*self.views[name])[index]
+            return self._read_code_view(*self.views[name], index)
         if name in self.packed:
             return self._read_packed(name, index)
         return self._read(self.tensors[name], index)
@@ -204,19 +204,28 @@ class SafetensorsCheckpoint:
                                               self.packed_options["zero_offset"])
         return packed_formats.pack_quantized_groups(self._whole(name, "scales"))
 
-    def _int4_projections(self):
-        """(float view name, group count G) of each int4 projection, from the headers."""
+    def _grouped_projections(self):
+        """(float view name, group count G, input rows) of each projection that can be kept
+        as stored (packed_formats.KEPT_KIND), from the headers. An fp8 projection whose
+        input rows are no whole number of blocks (a tiny model's) is left out: it is
+        served decoded."""
         for name, (fmt, parts) in self.packed.items():
-            if fmt in packed_formats.INT4_FORMATS:
-                yield name, parts["scales"].shape[1 if fmt == packed_formats.PACK_QUANTIZED else 0]
+            if fmt == "mxfp4":  # [..., R, G, 16] blocks: the view is [..., G * 32, R]
+                yield name, parts["scales"].shape[-1], self.tensors[name].shape[-2]
+            elif fmt == "fp8":  # [out, in] with scales [ceil(out / b0), ceil(in / b1)]
+                n_in = self.tensors[name].shape[1]
+                if n_in % self.packed_options["block"][1] == 0:
+                    yield name, parts["scales"].shape[1], n_in
+            else:
+                groups = parts["scales"].shape[1 if fmt == packed_formats.PACK_QUANTIZED else 0]
+                yield name, groups, self.tensors[name].shape[1]
 
-    def int4_layout(self) -> tuple[int, bool]:
-        """(group size, act-order) shared by the checkpoint's int4 projections: the group
+    def group_layout(self) -> tuple[int, bool]:
+        """(group size, act-order) shared by the checkpoint's packed projections: the group
         size 0 for one scale per output row (channel), act-order when some GPTQ tensor's
         groups are out of order. ValueError when projections disagree on the group size."""
         sizes, act_order, single = set(), False, set()
-        for name, groups in self._int4_projections():
-            n_in = self.tensors[name].shape[1]
+        for name, groups, n_in in self._grouped_projections():
             if groups == 1:
                 single.add(n_in)  # one group: per channel, or a group of exactly its rows (an expert's down_proj)
             else:
@@ -226,59 +235,89 @@ class SafetensorsCheckpoint:
         if single - sizes:  # a one-group projection whose rows are not one group of the others' size
             sizes.add(0)
         if len(sizes) > 1:
-            raise ValueError(f"{self.model_dir}: the int4 projections have different group sizes {sorted(sizes)}")
+            raise ValueError(f"{self.model_dir}: the packed projections have different group sizes {sorted(sizes)}")
         return (sizes.pop() if sizes else 0), act_order
 
-    def add_int4_views(self, act_order: bool) -> None:
-        """Beside each int4 projection's float view ``X.weight``, its parts as tensors of
-        their own, for a model served with the weights kept in int4
-        (models/quantization.py): ``X.weight#codes`` (uint8 [out, in]), ``#zeros`` and
-        ``#scales`` (float32 [out, G]) and, with ``act_order``, ``#gidx`` (int32 [in],
-        each input row's group). Each view reads only its own stored tensors."""
-        for name, groups in list(self._int4_projections()):
-            out, n_in = self.tensors[name].shape
-            views = {"codes": ("U8", (out, n_in)), "zeros": ("F32", (out, groups)), "scales": ("F32", (out, groups))}
-            if act_order:
-                views["gidx"] = ("I32", (n_in,))
-            for view, (dtype, shape) in views.items():
-                self.tensors[f"{name}#{view}"] = TensorInfo(self.tensors[name].path, dtype, shape, -1)
+    def add_code_views(self, act_order: bool) -> None:
+        """Beside each packed projection's float view ``X`` (``_grouped_projections``),
+        its parts as tensors of their own, laid out as the view (HF Linear [out, in], or
+        MXFP4's [..., in, out]), for a model served with the weights kept as stored
+        (models/quantization.py): ``X#codes`` (int4 / e2m1 codes uint8, or the fp8
+        values), ``X#scales`` (float32, one per group of input rows and output row),
+        for int4 ``X#zeros`` (the same) and, with ``act_order``, ``X#gidx`` (int32
+        [in], each input row's group). Each view reads only its own stored tensors."""
+        for name, groups, _ in list(self._grouped_projections()):
+            fmt = self.packed[name][0]
+            shape = self.tensors[name].shape
+            if fmt == "mxfp4":
+                group_shape = (*shape[:-2], groups, shape[-1])
+                views = {"codes": ("U8", shape), "scales": ("F32", group_shape)}
+            else:
+                views = {"codes": ("F8_E4M3" if fmt == "fp8" else "U8", shape), "scales": ("F32", (shape[0], groups))}
+            if fmt in packed_formats.INT4_FORMATS:
+                views["zeros"] = ("F32", (shape[0], groups))
+                if act_order:
+                    views["gidx"] = ("I32", (shape[1],))
+            for view, (dtype, view_shape) in views.items():
+                self.tensors[f"{name}#{view}"] = TensorInfo(self.tensors[name].path, dtype, view_shape, -1)
                 self.views[f"{name}#{view}"] = (name, view)
 
-    def _read_int4_view(self, base: str, view: str) -> np.ndarray:
+    def _read_code_view(self, base: str, view: str, index: tuple[slice, ...]) -> np.ndarray:
+        fmt = self.packed[base][0]
+        if fmt == "mxfp4":
+            return self._read_mxfp4(base, index, view)
+        if fmt == "fp8":
+            if view == "codes":
+                return self._whole(base, "main")[index]
+            scales = packed_formats.fp8_group_scales(self._whole(base, "scales"), self.packed_options["block"],
+                                                     self.tensors[base].shape[0])
+            return scales[index]
         if view == "codes":
-            return self._int4_codes(base)
+            return self._int4_codes(base)[index]
         zeros, scales, g_idx = self._int4_groups(base)
         if view == "gidx":
-            return packed_formats.row_groups(g_idx, self.tensors[base].shape[1], scales.shape[1]).astype(np.int32)
-        return zeros if view == "zeros" else scales
+            return packed_formats.row_groups(g_idx, self.tensors[base].shape[1], scales.shape[1]).astype(np.int32)[index]
+        return (zeros if view == "zeros" else scales)[index]
 
     def _read_packed(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """``index`` of a packed tensor, decoded (models/packed_formats.py) into its dtype."""
         fmt, parts = self.packed[name]
-        info = self.tensors[name]
-        dtype = np.dtype(_DTYPES[info.dtype])
-        if fmt != "mxfp4":  # one [out, in] projection: decoded whole, then cut
-            if fmt == "fp8":
-                w = packed_formats.decode_fp8_block(self._whole(name, "main"), self._whole(name, "scales"),
-                                                    self.packed_options["block"])
-            else:
-                w = packed_formats.Int4Parts(self._int4_codes(name), *self._int4_groups(name)).decode()
-            return w[index].astype(dtype)
-        # MXFP4 [..., D, R]: one leading index (an expert) at a time, only the 32-value
-        # groups that cover the D range (the float32 decode of a whole layer's experts
-        # would be 8x the packed bytes).
+        if fmt == "mxfp4":
+            return self._read_mxfp4(name, index, "values")
+        if fmt == "fp8":  # one [out, in] projection: decoded whole, then cut
+            w = packed_formats.decode_fp8_block(self._whole(name, "main"), self._whole(name, "scales"),
+                                                self.packed_options["block"])
+        else:
+            w = packed_formats.Int4Parts(self._int4_codes(name), *self._int4_groups(name)).decode()
+        return w[index].astype(np.dtype(_DTYPES[self.tensors[name].dtype]))
+
+    def _read_mxfp4(self, name: str, index: tuple[slice, ...], part: str) -> np.ndarray:
+        """``index`` of MXFP4 tensor ``name``'s ``part``: "values" (the float view [..., D,
+        R]), "codes" (uint8 e2m1 codes, the same layout) or "scales" (float32 [..., D /
+        32, R]). One leading index (an expert) at a time, and only the 32-value groups that
+        cover the D range (the float32 decode of a whole layer's experts would be 8x the
+        packed bytes)."""
+        parts = self.packed[name][1]
+        view = name if part == "values" else f"{name}#{part}"
+        info = self.tensors[view]
         bounds = [sl.indices(n)[:2] for sl, n in zip(index, info.shape)]
         *prefix, (d0, d1), (r0, r1) = bounds
         block = packed_formats.MXFP4_BLOCK
-        g0, g1 = d0 // block, -(-d1 // block)
-        out = np.empty((*(b - a for a, b in prefix), d1 - d0, r1 - r0), dtype)
+        g0, g1 = (d0, d1) if part == "scales" else (d0 // block, -(-d1 // block))
+        first = 0 if part == "scales" else g0 * block  # the first row the read groups hold
+        out = np.empty((*(b - a for a, b in prefix), d1 - d0, r1 - r0), np.dtype(_DTYPES[info.dtype]))
         for idx in itertools.product(*(range(a, b) for a, b in prefix)):
             lead = tuple(slice(i, i + 1) for i in idx)
             at = (0,) * len(idx)
-            blocks = self._read(parts["main"], lead + (slice(r0, r1), slice(g0, g1), slice(None)))[at]
-            scales = self._read(parts["scales"], lead + (slice(r0, r1), slice(g0, g1)))[at]
-            values = packed_formats.decode_mxfp4(blocks, scales)[:, d0 - g0 * block:d1 - g0 * block]
-            out[tuple(i - a for i, (a, _) in zip(idx, prefix))] = values.T  # exact in bf16 (2-bit mantissas)
+            read = lambda p, *rest: self._read(parts[p], lead + (slice(r0, r1), slice(g0, g1)) + rest)[at]
+            if part == "scales":
+                tile = packed_formats.mxfp4_scales(read("scales"))
+            elif part == "codes":
+                tile = packed_formats.mxfp4_codes(read("main", slice(None)))
+            else:
+                tile = packed_formats.decode_mxfp4(read("main", slice(None)), read("scales"))
+            # [R, D] -> [D, R]; the values are exact in bf16 (2-bit mantissas).
+            out[tuple(i - a for i, (a, _) in zip(idx, prefix))] = tile[:, d0 - first:d1 - first].T
         return out
 
     def _read(self, info: TensorInfo, index: tuple[slice, ...]) -> np.ndarray:
@@ -416,7 +455,7 @@ def check_checkpoint_names(ckpt: SafetensorsCheckpoint, arch: ModelArchConfig, m
             raise ValueError(f"{ckpt.model_dir}: tensor {name!r} has shape {ckpt.tensors[name].shape}; "
                              f"config.json implies {want}")
         used.add(name)
-    # An int4 projection's float view and its parts (add_int4_views) are one tensor: either read uses it.
+    # A packed projection's float view and its parts (add_code_views) are one tensor: either read uses it.
     used_bases = {n.split("#")[0] for n in used}
     unused = sorted(n for n in ckpt.tensors
                     if n not in used and n.split("#")[0] not in used_bases and not ignored.fullmatch(n))
@@ -436,7 +475,7 @@ def stream_safetensors(model_dir: str | Path, arch: ModelArchConfig, model_cls, 
     placed, so only one param is ever held in ``dtype`` beside the transformed ones.
     ``param_dtypes``: params read in another dtype (pre-quantized int8 / fp8 weights);
     ``extra_ignored``: regexes of more tensors that may stay unread (their scales, read
-    by the transform); ``ckpt``: the folder's reader when the caller made it (int4 views)."""
+    by the transform); ``ckpt``: the folder's reader when the caller made it (code views)."""
     ckpt = ckpt or SafetensorsCheckpoint(model_dir)
     check_checkpoint_names(ckpt, arch, model_cls, extra_ignored)
     param_dtypes = param_dtypes or {}

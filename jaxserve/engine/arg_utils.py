@@ -61,9 +61,9 @@ def _attention_backends() -> tuple[str, ...]:
 
 
 def _quantization_methods() -> tuple[str, ...]:
-    from models.quantization import INT4_METHODS, QUANTIZATION_METHODS
+    from models.quantization import KEPT_METHODS, QUANTIZATION_METHODS
 
-    return QUANTIZATION_METHODS + INT4_METHODS
+    return QUANTIZATION_METHODS + KEPT_METHODS
 
 
 def _reasoning_parsers() -> tuple[str, ...]:
@@ -94,9 +94,10 @@ class EngineArgs:
         "float32 activations and KV cache).", choices=DTYPES))
     quantization: str | None = field(default=ModelConfig.quantization, metadata=_arg(
         "Weight-only quantization at load: int8 / fp8 (per-channel symmetric; projections only, the embedding, "
-        "lm_head, norms and MoE router stay in --dtype); or awq / gptq / compressed-tensors, the int4 "
-        "checkpoint's own format: its weights kept in int4 and dequantized inside each product (the "
-        "default on TPU / GPU; on CPU an int4 checkpoint is otherwise decoded to floats at load).",
+        "lm_head, norms and MoE router stay in --dtype); or awq / gptq / compressed-tensors / fp8 / mxfp4, "
+        "the packed checkpoint's own format (int4, fp8 blocks, MXFP4 experts): its weights kept as stored and "
+        "dequantized inside each product (the default on TPU / GPU; on CPU a packed checkpoint is otherwise "
+        "decoded to floats at load).",
         choices=_quantization_methods, flags=("-q",)))
     max_model_len: int | None = field(default=None, metadata=_arg(
         f"Context length (default: the model's, at most {DEFAULT_MAX_MODEL_LEN})."))

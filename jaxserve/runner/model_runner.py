@@ -44,6 +44,7 @@ from jaxserve.runner.setup import (kv_cache_blocks, load_draft_model, load_targe
 from jaxserve.runner.step_inputs import InflightStep, PreparedStep, RankStep, StepInputBuilder
 from jaxserve.runner.weight_update import WeightUpdater, check_sleep_level, device_bytes
 from models.config import attention_settings
+from models.quantization import GROUP_SCALED
 from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.backend import build_attention, resolve_attention_spec
 from pallas_kernels.storage import stacked_weights_as_bits
@@ -232,10 +233,10 @@ class ModelRunner:
     def check_sleep(self, level) -> None:
         """ValueError for a sleep this runner cannot come back from."""
         check_sleep_level(level)
-        if level == 2 and self.arch.quantization == "int4":
-            # Waking reads the folder as floats (runner/weight_update.py), not as int4 parts.
-            raise ValueError("sleep level 2: the model's int4 weights are kept as int4 (--quantization awq / gptq / "
-                             "compressed-tensors), which wake_up cannot reload; use level 1")
+        if level == 2 and self.arch.quantization in GROUP_SCALED:
+            # Waking reads the folder as floats (runner/weight_update.py), not as packed parts.
+            raise ValueError(f"sleep level 2: the model's packed weights are kept as stored "
+                             f"({self.arch.quantization}), which wake_up cannot reload; use level 1")
 
     def sleep(self, level: int = 1) -> dict:
         """Free the KV cache (level 1) and the weights too (level 2); the caller makes

@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 from models.param_update import ArrayCheckpoint, plan_update, read_update
-from models.quantization import quantized_names, quantizer
+from models.quantization import GROUP_SCALED, quantized_names, quantizer
 from models.registry import get_model_class
 from pallas_kernels.storage import BF16_BITS, to_bf16_bits
 
@@ -125,10 +125,11 @@ class WeightUpdater:
         """Replace the params ``weights`` gives (see the module docstring); returns
         {"version", "num_params", "seconds", "source"}."""
         t0 = time.perf_counter()
-        if self.runner.arch.quantization == "int4":
-            raise ValueError("update_weights: the model is served with its int4 checkpoint's weights kept as int4 "
-                             "(--quantization awq / gptq / compressed-tensors), which an update cannot replace; "
-                             "serve a float checkpoint to update its weights")
+        if self.runner.arch.quantization in GROUP_SCALED:
+            raise ValueError(f"update_weights: the model is served with its packed checkpoint's weights kept as "
+                             f"stored ({self.runner.arch.quantization}: --quantization awq / gptq / compressed-tensors "
+                             "/ fp8 / mxfp4, or TPU / GPU), which an update cannot replace; serve a float "
+                             "checkpoint to update its weights")
         kind = weights_kind(weights)
         source = str(weights) if kind == "folder" else None
         read = {"folder": lambda: self._from_folder(Path(weights)), "pytree": lambda: self._from_pytree(weights),

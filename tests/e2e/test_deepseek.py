@@ -88,13 +88,17 @@ def test_deepseek_without_dense_layers_and_unsupported_variants(tiny_models):
             ModelArchConfig.from_hf_dict({**cfg, **change})
 
 
-def test_deepseek_fp8_block_scaled_checkpoint(tiny_models, tmp_path):
+@pytest.mark.parametrize("kept", [False, True], ids=["decoded", "kept_fp8"])
+def test_deepseek_fp8_block_scaled_checkpoint(tiny_models, tmp_path, kept):
     """DeepSeek-V3's checkpoint format (every projection, experts and MLA's included, as
     float8_e4m3fn in 16 x 16 blocks with a float32 scale each: the test's packer, in
     models/packed_formats.py) serves the tokens and logprobs HF gives for the same
-    rounded weights as floats."""
+    rounded weights as floats: decoded at load (the CPU's default), or kept as fp8
+    values with their block scales and dequantized inside the step (TPU / GPU's
+    default; ``quantization="fp8"`` on CPU), through the compiled steps."""
     from models.packed_formats import write_int4_folder
     from safetensors import safe_open
+    from test_int4_checkpoints import _served_params
 
     src = _model(tiny_models)
     write_int4_folder(src, tmp_path / "fp8", "fp8-block", group_size=16, float_dst=tmp_path / "float")
@@ -102,6 +106,16 @@ def test_deepseek_fp8_block_scaled_checkpoint(tiny_models, tmp_path):
         names = set(f.keys())
     assert "model.layers.1.mlp.experts.3.gate_proj.weight_scale_inv" in names
     assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv" in names
-    llm = make_llm(tmp_path / "fp8")
+    llm = make_llm(tmp_path / "fp8", **({"quantization": "fp8", "enforce_eager": False} if kept else {}))
+    if kept:
+        params = {k.rsplit("/", 1)[-1]: v for k, v in _served_params(llm).items()}
+        for name, groups in [("experts_gate", 4), ("kv_a_proj", 4), ("o_proj", 6), ("shared_down", 2)]:
+            assert str(params[name].dtype) == "float8_e4m3fn", name
+            assert params[name + "_scale"].shape[-2] == groups and name + "_zero" not in params
+        # q_b_proj's 24 input rows (q_lora_rank) are no whole 16-row blocks: served decoded.
+        assert params["q_b_proj"].dtype == np.float32
+        assert params["kv_b_proj"].dtype == np.float32  # MLA reads it as a tensor
+        with pytest.raises(ValueError, match="fp8-block"):
+            llm.update_weights(tmp_path / "float")
     check_greedy(tmp_path / "float", llm, prompts(14, [6, 33]))
     check_prompt_logprobs(tmp_path / "float", llm, prompts(15, [40])[0])

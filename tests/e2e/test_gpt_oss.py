@@ -109,14 +109,40 @@ def test_gpt_oss_tensor_and_expert_parallel_match_one_device(tiny_models):
     check_parallel_matches_one_device(tiny_models("gpt_oss", kv_heads=2))
 
 
-def test_gpt_oss_mxfp4_experts_give_the_dequantized_models_tokens(tiny_models, tmp_path):
+@pytest.mark.parametrize("kept", [False, True], ids=["decoded", "kept_mxfp4"])
+def test_gpt_oss_mxfp4_experts_give_the_dequantized_models_tokens(tiny_models, tmp_path, kept):
     """OpenAI's format (experts as MXFP4 blocks and scales, written here by the test's
     own packer) loads, and serves the tokens and logprobs HF gives for the same experts
-    as floats."""
+    as floats: decoded at load (the CPU's default), or kept as their e2m1 codes with a
+    float32 power of two per 32 input rows, dequantized inside the step a layer at a
+    time (TPU / GPU's default; ``quantization="mxfp4"`` on CPU), through the compiled
+    steps."""
     from hf_factory import write_mxfp4_gpt_oss
+    from test_int4_checkpoints import _served_params
 
     src = tiny_models("gpt_oss", kv_heads=2)
     write_mxfp4_gpt_oss(src, tmp_path / "float", tmp_path / "mxfp4")
-    llm = make_llm(tmp_path / "mxfp4")
+    llm = make_llm(tmp_path / "mxfp4", **({"quantization": "mxfp4", "enforce_eager": False} if kept else {}))
+    if kept:
+        params = {k.rsplit("/", 1)[-1]: v for k, v in _served_params(llm).items()}
+        assert str(params["experts_gate"].dtype) == "uint8" and params["experts_gate"].shape[-3:] == (8, 64, 32)
+        assert params["experts_gate_scale"].shape[-3:] == (8, 2, 32)  # [E, in / 32, out]
+        assert params["experts_down_scale"].shape[-3:] == (8, 1, 64) and "experts_down_zero" not in params
+        assert params["q_proj"].dtype == np.float32  # attention stays as the checkpoint has it
     check_greedy(tmp_path / "float", llm, prompts(12, [6, 33]))
     check_prompt_logprobs(tmp_path / "float", llm, prompts(13, [40])[0])
+
+
+@pytest.mark.devices(2)
+def test_gpt_oss_mxfp4_experts_kept_expert_parallel(tiny_models, tmp_path):
+    """Expert parallel 2 with the experts kept as MXFP4: each device holds its experts'
+    codes and scales whole; HF's tokens. Split by the mlp dim instead (tp 2), each
+    device's 16 of down_proj's 32 input rows are no whole MXFP4 group: a clear error."""
+    from hf_factory import write_mxfp4_gpt_oss
+
+    write_mxfp4_gpt_oss(tiny_models("gpt_oss", kv_heads=2), tmp_path / "float", tmp_path / "mxfp4")
+    llm = make_llm(tmp_path / "mxfp4", quantization="mxfp4", tensor_parallel_size=2, enable_expert_parallel=True)
+    check_greedy(tmp_path / "float", llm, prompts(14, [12, 40]))
+    del llm
+    with pytest.raises(ValueError, match="experts_down's 16 input rows per device are not whole groups of 32"):
+        make_llm(tmp_path / "mxfp4", quantization="mxfp4", tensor_parallel_size=2)

@@ -160,7 +160,7 @@ def test_int4_weight_stays_int4_in_the_program():
 
 def test_int4_format_name_must_match_the_checkpoint(tiny_models, tmp_path):
     src = tiny_models("llama", kv_heads=2)
-    with pytest.raises(ValueError, match="names an int4 checkpoint format, but the checkpoint is not packed int4"):
+    with pytest.raises(ValueError, match="names a packed checkpoint format, but the checkpoint is not packed"):
         make_llm(src, quantization="awq")
     write_int4_checkpoint(src, "gptq", tmp_path / "float", tmp_path / "gptq")
     with pytest.raises(ValueError, match="the checkpoint is gptq"):
@@ -217,3 +217,45 @@ def test_int4_moe_experts_kept_as_int4_expert_parallel(tiny_models, tmp_path):
     gate = next(v for k, v in _served_params(llm).items() if k.endswith("experts_gate"))
     assert gate.sharding.spec[1] == "model"  # [L, E, in, out]: split by experts
     check_greedy(tmp_path / "float", llm, prompts(28, [12, 40]))
+
+
+def test_kept_fp8_and_e2m1_codes_decode_as_the_reader_does():
+    """The step's dequantization of fp8 blocks and MXFP4 codes gives the reader's decoded
+    floats exactly, and the compiled program's parameters stay float8 / uint4."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.quantization import dequantize_groups, e2m1_values, linear
+
+    np.testing.assert_array_equal(np.asarray(e2m1_values(jnp.arange(16, dtype=jnp.uint8))), pf._FP4_VALUES)
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(48, 64)).astype(np.float32)  # [out, in]
+    parts, decoded = pf.pack_fp8_block(w, (16, 32))
+    scales = pf.fp8_group_scales(parts["weight_scale_inv"], (16, 32), 48)  # [out, in / 32]
+    got = dequantize_groups(jnp.asarray(parts["weight"].T), jnp.asarray(scales.T), None, None, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), decoded.T)
+    blocks, exps, values = pf.pack_mxfp4(w)
+    codes = pf.mxfp4_codes(blocks.reshape(48, 2, 16)).T  # [in, out]
+    got = dequantize_groups(jnp.asarray(codes), jnp.asarray(pf.mxfp4_scales(exps).T), None, None, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), values.T)
+    x = jnp.ones((8, 64))
+    for c, s in [(jnp.asarray(parts["weight"].T), scales.T), (jnp.asarray(codes, jnp.uint4), pf.mxfp4_scales(exps).T)]:
+        f = jax.jit(lambda x, c, s: linear(x, {"w": c, "w_scale": s}, "w"))
+        entry = f.lower(x, c, jnp.asarray(s)).compile().as_text()
+        entry = entry[entry.index("ENTRY"):].splitlines()[0]
+        assert ("f8e4m3fn[64,48]" if c.dtype == jnp.float8_e4m3fn else "u4[64,48]") in entry, entry
+
+
+def test_kept_format_names(tiny_models, tmp_path):
+    """--quantization mxfp4 needs an MXFP4 checkpoint; fp8 on a plain checkpoint still
+    quantizes at load, per channel."""
+    src = tiny_models("llama", kv_heads=2)
+    with pytest.raises(ValueError, match="names a packed checkpoint format, but the checkpoint is not packed"):
+        make_llm(src, quantization="mxfp4")
+    write_int4_checkpoint(src, "awq", tmp_path / "float", tmp_path / "awq")
+    with pytest.raises(ValueError, match="the checkpoint is awq"):
+        make_llm(tmp_path / "awq", quantization="mxfp4")
+    llm = make_llm(src, quantization="fp8")
+    assert llm.llm_engine.model_runner.arch.quantization == "fp8"
+    q = next(v for k, v in _served_params(llm).items() if k.endswith("q_proj_scale"))
+    assert q.ndim == 2  # [L, out]: one scale per output channel
