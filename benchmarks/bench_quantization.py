@@ -13,12 +13,13 @@ difference| of the reference's chosen tokens over that common prefix (where both
 saw the same context). Throughput: ``--num-prompts`` random-token prompts of
 ``--input-len`` tokens, ``--output-len`` greedy tokens each, ignore_eos.
 
-The int4 quantizations (awq, gptq, w4a16) are checkpoint formats, not load-time
-options: the model's projections are written in that format (models/packed_formats.py's
-reference packers: round to nearest in groups of ``--group-size``, no calibration) into a
-temporary folder, which the engine then serves: decoded to floats at load (``awq``:
-the CPU's default), or with ``-int4`` (``awq-int4``) kept as int4 and dequantized inside
-each product (``--quantization awq``, TPU / GPU's default).
+The packed quantizations (awq, gptq, w4a16, fp8-block) are checkpoint formats, not
+load-time options: the model's projections are written in that format
+(models/packed_formats.py's reference packers: round to nearest in groups (fp8: square
+blocks) of ``--group-size``, no calibration) into a temporary folder, which the engine
+then serves: decoded to floats at load (``awq``: the CPU's default), or with ``-kept``
+(``awq-kept``, ``fp8-block-kept``; ``-int4`` for the int4 ones too) kept as stored and
+dequantized inside each product (``--quantization awq`` / ``fp8``, TPU / GPU's default).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ ASKS = ["Explain {} in two sentences.", "Write a short poem about {}.", "Give th
         "Why is {} important?"]
 
 
-INT4_FORMATS = ("awq", "gptq", "w4a16")
+PACKED_FORMATS = ("awq", "gptq", "w4a16", "fp8-block")
 
 
 def chat_prompts() -> list[list[dict]]:
@@ -104,14 +105,16 @@ def main() -> None:
         weight_dtype, kv_dtype = (rest + ["auto", "auto"])[:2]
         quant = None if quant == "none" else quant
         overrides = {}
-        fmt = quant[:-len("-int4")] if quant and quant.endswith("-int4") else quant
-        if fmt in INT4_FORMATS:  # a checkpoint format: write the model in it, serve that folder
+        fmt = quant
+        for suffix in ("-int4", "-kept"):
+            fmt = fmt[:-len(suffix)] if fmt and fmt.endswith(suffix) else fmt
+        if fmt in PACKED_FORMATS:  # a checkpoint format: write the model in it, serve that folder
             from models.default_model import default_model_dir
             from models.packed_formats import quantization_name, write_int4_folder
 
             folder = Path(tempfile.mkdtemp(prefix=f"jaxserve-{fmt}-"))
             write_int4_folder(engine_args.model or default_model_dir(), folder, fmt, args.group_size)
-            # "<fmt>-int4": the weights kept as int4 (TPU / GPU's way); "<fmt>": decoded at load.
+            # "<fmt>-kept" ("-int4"): the weights kept as stored (TPU / GPU's way); "<fmt>": decoded at load.
             keep = quantization_name(fmt) if fmt != quant else None
             overrides, quant = dict(model=str(folder)), keep
         t0 = time.perf_counter()

@@ -34,6 +34,7 @@ from jaxserve.runner.kv_cache import bytes_per_block, determine_num_blocks, devi
 from models.base import MODEL  # noqa: E402
 from models.config import ModelArchConfig  # noqa: E402
 from models.registry import get_model_class  # noqa: E402
+from models.quantization import quantized_names  # noqa: E402
 from models.sharding import arch_for_tensor_parallel, valid_tensor_parallel_sizes  # noqa: E402
 
 LLAMA3_70B = {
@@ -51,8 +52,7 @@ GPT_OSS_120B = {
                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
     "tie_word_embeddings": False, "attention_bias": True,
 }
-# DeepSeek-V3's config.json (671B; bf16, as served on TPU: its fp8 block-scaled checkpoint
-# is decoded to floats on CPU only). MLA: one latent of 512 + a rope key of 64 per token per layer.
+# DeepSeek-V3's config.json (671B; its fp8 block-scaled checkpoint: --weights fp8-block). MLA: one latent of 512 + a rope key of 64 per token per layer.
 DEEPSEEK_V3 = {
     "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
     "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
@@ -89,12 +89,30 @@ class _Device:  # what determine_num_blocks reads from a jax.Device
         return self._stats
 
 
-def weight_bytes_per_chip(arch: ModelArchConfig, tp: int, itemsize: int, experts_share: float = 1.0) -> int:
-    """Bytes of one chip's weights; ``experts_share`` counts only that share of the MoE
-    experts' (the ones a step reads, or a token's top-k for FLOPs)."""
+# Bytes per weight of a projection kept as its packed checkpoint stores it
+# (models/quantization.py GROUP_SCALED): the codes plus float32 group scales (int4: and
+# zeros) per 128 (fp8 blocks, int4 groups) or 32 (MXFP4) input rows.
+PACKED_BYTES = {"fp8-block": 1 + 4 / 128, "int4": 0.5 + 8 / 128, "mxfp4": 0.5 + 4 / 32}
+
+
+def packed_names(arch: ModelArchConfig, weights: str) -> set[str]:
+    """The params a checkpoint in ``weights`` keeps packed: MXFP4 only the MoE experts (as
+    OpenAI ships gpt-oss), fp8 / int4 every projection int8 would take; none for bf16."""
+    if weights == "bf16":
+        return set()
+    names = set(quantized_names(get_model_class(arch.architecture).weight_map(arch)))
+    return {n for n in names if n.startswith("experts_")} if weights == "mxfp4" else names
+
+
+def weight_bytes_per_chip(arch: ModelArchConfig, tp: int, itemsize: int, experts_share: float = 1.0,
+                          weights: str = "bf16") -> int:
+    """Bytes of one chip's weights, ``weights`` the checkpoint's packed format (or bf16);
+    ``experts_share`` counts only that share of the MoE experts' (the ones a step reads,
+    or a token's top-k for FLOPs)."""
     total = 0
+    packed = packed_names(arch, weights)
     for name, w in get_model_class(arch.architecture).weight_map(arch).items():
-        n = math.prod(w.shape(arch)) * itemsize
+        n = math.prod(w.shape(arch)) * (PACKED_BYTES[weights] if name in packed else itemsize)
         n = n * experts_share if name.startswith("experts_") else n
         total += n // tp if MODEL in w.partition else n
     return int(total)
@@ -109,11 +127,11 @@ def experts_read(arch: ModelArchConfig, tokens: int) -> float:
 
 
 def plan(cfg: dict, chip: str, chips: int, *, batch: int, context: int, prefill: int, util: float,
-         block_size: int = 16, dtype=jnp.bfloat16) -> None:
+         block_size: int = 16, dtype=jnp.bfloat16, weights: str = "bf16") -> None:
     spec = CHIPS[chip]
     base = ModelArchConfig.from_hf_dict(cfg)
     itemsize = jnp.dtype(dtype).itemsize
-    print(f"\n{base.architecture} ({sum(math.prod(w.shape(base)) for w in get_model_class(base.architecture).weight_map(base).values()) / 1e9:.1f}B params, bf16) "
+    print(f"\n{base.architecture} ({sum(math.prod(w.shape(base)) for w in get_model_class(base.architecture).weight_map(base).values()) / 1e9:.1f}B params, {weights} weights) "
           f"on {chip} x {chips} chips ({spec['hbm_gib']} GiB HBM each), decode batch {batch} per rank at "
           f"{context} tokens of context (fewer where the KV cache holds fewer), gpu_memory_utilization {util}")
     print(f"{'mesh (dp x tp)':>14} {'KV heads':>9} {'weights/chip':>13} {'KV budget/chip':>15} {'KV tokens/rank':>15} "
@@ -124,7 +142,7 @@ def plan(cfg: dict, chip: str, chips: int, *, batch: int, context: int, prefill:
         dp = chips // tp
         arch = arch_for_tensor_parallel(base, tp)
         heads = "latent" if arch.latent_kv else arch.num_key_value_heads
-        wb = weight_bytes_per_chip(arch, tp, itemsize)
+        wb = weight_bytes_per_chip(arch, tp, itemsize, weights=weights)
         limit = int(spec["hbm_gib"] * 2**30)
         budget = int(limit * util) - wb
         if budget <= 0:
@@ -138,13 +156,13 @@ def plan(cfg: dict, chip: str, chips: int, *, batch: int, context: int, prefill:
         b = min(batch, tokens // context)  # the decode batch the cache holds at this context
         # A decode step reads the experts its b tokens route to; prefill multiplies each
         # token by its top-k experts only.
-        read = weight_bytes_per_chip(arch, tp, itemsize, experts_read(arch, b))
+        read = weight_bytes_per_chip(arch, tp, itemsize, experts_read(arch, b), weights)
         hbm_s = (read + b * context * kv_per_token_chip) / (spec["hbm_gbs"] * 1e9)
         ar_bytes = b * arch.hidden_size * itemsize
         ar_s = 0.0 if tp == 1 else 2 * arch.num_hidden_layers * (
             spec["ar_latency"] + 2 * (tp - 1) / tp * ar_bytes / (spec["ici_gbs"] * 1e9))
         active = weight_bytes_per_chip(arch, tp, itemsize, arch.num_experts_per_tok / arch.num_experts
-                                       if arch.num_experts else 1.0)
+                                       if arch.num_experts else 1.0)  # bf16 bytes: the FLOPs count
         flops = 2 * (active * tp / itemsize) * prefill  # ~2 FLOPs per active weight per token
         prefill_s = flops / (tp * spec["tflops"] * 1e12)
         print(f"{dp:>6} x {tp:<5} {heads:>9} {wb / 2**30:>10.1f} GiB {budget / 2**30:>11.1f} GiB "
@@ -162,6 +180,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--weights", choices=("bf16", *PACKED_BYTES), default="bf16",
+                    help="the checkpoint's weights: bf16, or a packed format served as stored (DeepSeek-V3's "
+                         "fp8-block, gpt-oss's mxfp4 experts, int4 AWQ / GPTQ)")
     args = ap.parse_args()
     import logging
 
@@ -170,7 +191,7 @@ def main() -> None:
     targets = [(args.chip, args.chips)] if args.chip else TARGETS[args.model]
     for chip, n in targets:
         plan(cfg, chip, n, batch=args.batch, context=args.context, prefill=args.prefill,
-             util=args.gpu_memory_utilization)
+             util=args.gpu_memory_utilization, weights=args.weights)
 
 
 if __name__ == "__main__":

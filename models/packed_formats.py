@@ -361,8 +361,8 @@ def int4_quantization_config(fmt: str, group_size: int) -> dict:
 
 def quantization_name(fmt: str) -> str:
     """The --quantization value that keeps a ``write_int4_folder`` format (awq, gptq,
-    w4a16) as int4."""
-    return INT4_QUANTIZATION[packed_method(int4_quantization_config(fmt, 32))]
+    w4a16, fp8-block) as stored."""
+    return KEPT_QUANTIZATION[packed_method(int4_quantization_config(fmt, 32))]
 
 
 def write_int4_folder(src, dst, fmt: str, group_size: int = 128, float_dst=None) -> None:
