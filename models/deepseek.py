@@ -25,6 +25,7 @@ norm and the cache are whole on every device. Expert parallel splits the experts
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -32,7 +33,8 @@ import jax.numpy as jnp
 
 from models.base import MODEL, Weight
 from models.config import ModelArchConfig, hf_common_fields
-from models.llama import COLUMNS, LAYER, ROWS, LlamaForCausalLM, lora_inputs
+from models.llama import COLUMNS, LAYER, ROWS, LlamaForCausalLM, lora_inputs, scan_layers
+from models.lora import LORA_A, LORA_B, LORA_MASK, LORA_ON
 from models.moe import GroupedRouting, expert_stacks, moe_arch_fields, moe_block
 from models.quantization import linear, param_map, scan_safe
 from models.rope import apply_rope
@@ -50,6 +52,48 @@ _EXPERTS = ("experts_gate", "experts_up", "experts_down")
 def _mscale(factor: float, mscale: float) -> float:
     """YaRN's magnitude correction (DeepSeek's yarn_get_mscale)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclasses.dataclass
+class KvBAdapter:
+    """The LoRA adapters of kv_b_proj, applied in the absorbed form. An adapter changes
+    head n's key and value of latent c by ``((c @ a) * mask) @ b[:, n]`` (a [R, S*Rk],
+    b [S*Rk, N, nope + v]: models/lora.py's buffers, the token's own slot kept by
+    ``mask`` [T, S*Rk]); every key of a request has its queries' adapter, so
+    ``q_nope . k`` gains ``c . (a @ (mask * (b_k[:, n] @ q_nope)))``: a term of the
+    absorbed query, and the output ``o_latent @ W_uv[n]`` gains ``((o_latent @ a) *
+    mask) @ b_v[:, n]``. The latent cache stays the adapter-free latent."""
+
+    a: jax.Array  # [R, S*Rk]
+    b_k: jax.Array  # [S*Rk, N, nope]
+    b_v: jax.Array  # [S*Rk, N, v]
+    mask: jax.Array  # [T, S*Rk]
+    on: jax.Array  # bool scalar: any token of the step has an adapter
+
+    def absorb_query(self, q_nope, q_latent):
+        """q_nope [T, N, nope], q_latent [T, N, R] -> q_latent with the adapters' term."""
+        def add():
+            t = jnp.einsum("tnd,knd->tnk", q_nope, self.b_k.astype(q_nope.dtype)) * self.mask[:, None]
+            return q_latent + jnp.einsum("tnk,rk->tnr", t, self.a.astype(t.dtype))
+        return jax.lax.cond(self.on, add, lambda: q_latent)
+
+    def absorb_output(self, o_latent, out):
+        """o_latent [T, N, R], out [T, N, v] -> out with the adapters' values."""
+        def add():
+            t = jnp.einsum("tnr,rk->tnk", o_latent, self.a.astype(o_latent.dtype)) * self.mask[:, None]
+            return out + jnp.einsum("tnk,knv->tnv", t, self.b_v.astype(t.dtype))
+        return jax.lax.cond(self.on, add, lambda: out)
+
+
+def kv_b_adapter(lw: dict, heads: int, nope: int) -> KvBAdapter | None:
+    """The layer's kv_b_proj adapters (``lw`` with LoRA buffers of kv_b_proj), or None."""
+    a = lw.get("kv_b_proj" + LORA_A)
+    if a is None:
+        return None
+    b = lw["kv_b_proj" + LORA_B]
+    b = b.reshape(b.shape[0], heads, -1)
+    mask = lw[LORA_MASK].astype(a.dtype)
+    return KvBAdapter(a, b[..., :nope], b[..., nope:], mask, lw[LORA_ON])
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
@@ -205,10 +249,15 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         w_b = lw["kv_b_proj"].reshape(r, n, nope + vd)  # [R, N, nope + v]
         w_uk, w_uv = w_b[..., :nope], w_b[..., nope:]
         q_latent = jnp.einsum("tnd,rnd->tnr", q_nope, w_uk.astype(q_nope.dtype))
+        adapter = kv_b_adapter(lw, n, nope)
+        if adapter is not None:
+            q_latent = adapter.absorb_query(q_nope, q_latent)
         query = jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)  # [T, N, R + H_r]
         row = jnp.concatenate([latent, k_pe[:, 0].astype(latent.dtype)], axis=-1)[:, None]  # [T, 1, R + H_r]
         o, kv_cache = attention_fn(query, row, None, kv_cache, layer, md)
         out = jnp.einsum("tnr,rnv->tnv", o[..., :r], w_uv.astype(o.dtype))  # [T, N, v]
+        if adapter is not None:
+            out = adapter.absorb_output(o[..., :r], out)
         return linear(out.reshape(t, n * vd), lw, "o_proj"), kv_cache
 
     def mlp(self, x, lw):
@@ -242,14 +291,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                 return self.decoder_layer(h, kv, lw | lora_step, layer, positions, md, attention_fn)
 
             if self.scan_layers:
-                def body(carry, xs):
-                    h, kv = carry
-                    lw, layer = xs
-                    h, kv = layer_fn(h, kv, scan_safe(lw, restore=True), layer)
-                    return (h, kv), None
-
-                (h, kv_cache), _ = jax.lax.scan(body, (h, kv_cache),
-                                                (stacked, jnp.arange(start, stop, dtype=jnp.int32)))
+                h, kv_cache = scan_layers(layer_fn, h, kv_cache, stacked, start, stop)
             else:
                 for i in range(stop - start):
                     lw = scan_safe({n: x[i] for n, x in stacked.items()}, restore=True)

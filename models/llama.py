@@ -94,6 +94,19 @@ class LayerWeights(nnx.Module):
                                           eager_sharding=False))
 
 
+def scan_layers(layer_fn: Callable, h, kv_cache, stacked: dict, start: int, stop: int):
+    """Layers start..stop under one lax.scan: ``stacked`` {name: [stop - start, ...]} (the
+    bf16 ones as their bit patterns: scan_safe), ``layer_fn(h, kv_cache, lw, layer)`` ->
+    (h, kv_cache) with ``layer`` the traced global layer index. Returns (h, kv_cache)."""
+    def body(carry, xs):
+        h, kv = carry
+        lw, layer = xs
+        return layer_fn(h, kv, scan_safe(lw, restore=True), layer), None
+
+    (h, kv_cache), _ = jax.lax.scan(body, (h, kv_cache), (stacked, jnp.arange(start, stop, dtype=jnp.int32)))
+    return h, kv_cache
+
+
 class LlamaForCausalLM(CausalLM):
     architectures = ("LlamaForCausalLM",)
 
@@ -265,14 +278,7 @@ class LlamaForCausalLM(CausalLM):
 
         if self.scan_layers:
             stacked = {n: getattr(self.layers, n)[...] for n in names} | lora_layers
-
-            def body(carry, xs):
-                h, kv = carry
-                lw, layer = xs
-                h, kv = layer_fn(h, kv, scan_safe(lw, restore=True), layer)
-                return (h, kv), None
-
-            (h, kv_cache), _ = jax.lax.scan(body, (h, kv_cache), (stacked, jnp.arange(c.num_hidden_layers)))
+            h, kv_cache = scan_layers(layer_fn, h, kv_cache, stacked, 0, c.num_hidden_layers)
         else:
             for i, weights in enumerate(self.layers):
                 lw = {n: getattr(weights, n)[...] for n in names} | {n: x[i] for n, x in lora_layers.items()}

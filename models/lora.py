@@ -33,9 +33,11 @@ from models.sharding import source_indices
 # Our projection names that adapters may target (PEFT names the module: DeepSeek's
 # kv_a_proj is its kv_a_proj_with_mqa). DeepSeek's MLA: q_a_proj, q_b_proj and kv_a_proj
 # are plain products before the latent; kv_b_proj is absorbed into the queries and the
-# output (models/deepseek.py), so an adapter of it is refused.
+# output, and so are its adapters (models/deepseek.py KvBAdapter: the same buffers, a
+# column-parallel projection split by heads). DeepSeek's dense first layers' MLP
+# (dense_gate / dense_up / dense_down) is a stack of its own, not adapted.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                "q_a_proj", "q_b_proj", "kv_a_proj")
+                "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj")
 # Suffixes of the per-layer names in the weights dict a layer sees (``lw``).
 LORA_A, LORA_B = "_lora_a", "_lora_b"
 LORA_MASK, LORA_ON = "_lora_mask", "_lora_on"

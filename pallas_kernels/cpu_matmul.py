@@ -8,7 +8,7 @@ product well at prefill sizes but at 64 rows and fewer (decode) one core does mo
 it: on a 2-core Zen 4 VM, 65-85 GFLOP/s at 8 rows and 170-275 at 64, against 170-240
 and 300-380 here (each thread takes whole blocks of 64 output columns). Used for at most
 MAX_ROWS rows, on one device (the custom call is not partitioned), when the CPU has
-AVX512-BF16 and the kernel builds (``enabled``); XLA's dot otherwise. A row's result
+AVX512-BF16 but no AMX and the kernel builds (``enabled``); XLA's dot otherwise. A row's result
 does not depend on the other rows or on their number (k runs in one fixed order).
 
 The library is compiled and cached like the attention kernel's (pallas_kernels/cpu.py).
@@ -42,14 +42,27 @@ MAX_ROWS = 128
 MAX_TRANSPOSED_ROWS = 4
 
 
+def preferred_on(flags) -> bool:
+    """Whether the kernel is the faster product on a CPU with these /proc/cpuinfo flags:
+    AVX512-BF16 without AMX (Zen 4). With AMX XLA's dot runs on AMX and beat the kernel
+    at 8-128 rows on a 2-core Sapphire Rapids VM (SmolLM2's 576 x 1536: 148 vs 194 us at
+    8 rows, 391 vs 1358 us at 128; only 1 row favoured the kernel, 108 vs 147 us). There,
+    in the engine, the kernel also moved a tiny llama's prompt logprobs by 4.4e-3 from a
+    float64 emulation of the same bf16 products where XLA's were within 4e-7, with the
+    MLP's [32, 64] x [64, 128] products alone to blame although each such product, also
+    under a layer scan, matched exactly in isolation: not root-caused, and not seen on
+    Zen 4 (tests/e2e/test_native_matmul.py)."""
+    return "avx512_bf16" in flags and "amx_bf16" not in flags
+
+
 @functools.cache
 def enabled() -> bool:
-    """Whether products go through the kernel in this process: a CPU backend, a CPU with
-    AVX512-BF16, the library built and registered with XLA, and not turned off by
-    JAXSERVE_NATIVE_MATMUL=0."""
+    """Whether products go through the kernel in this process: a CPU backend, a CPU it is
+    preferred on (``preferred_on``), the library built and registered with XLA, and not
+    turned off by JAXSERVE_NATIVE_MATMUL=0."""
     if os.environ.get("JAXSERVE_NATIVE_MATMUL", "1") == "0" or jax.default_backend() != "cpu":
         return False
-    return "avx512_bf16" in cpu_flags() and _registered()
+    return preferred_on(cpu_flags()) and _registered()
 
 
 @functools.cache

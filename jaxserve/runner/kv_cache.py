@@ -120,10 +120,10 @@ def determine_num_blocks(
     return num_blocks
 
 
-def kv_cache_sharding(mesh, c: ModelArchConfig | None = None) -> NamedSharding:
+def kv_cache_sharding(mesh, c: ModelArchConfig) -> NamedSharding:
     """Pages (axis 1) split over 'data' (each rank its own), KV heads (axis 3) over
     'model', as attention expects; a latent cache (MLA, ``c.latent_kv``) whole on every 'model' device."""
-    return NamedSharding(mesh, kv_cache_partition(c is not None and c.latent_kv))
+    return NamedSharding(mesh, kv_cache_partition(c.latent_kv))
 
 
 def allocate_kv_cache(c: ModelArchConfig, num_blocks: int, block_size: int, dtype, mesh,

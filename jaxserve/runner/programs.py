@@ -58,10 +58,10 @@ def traced_products(mesh: Mesh | None, batch_invariant: bool) -> Callable:
     return products
 
 
-def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, dp: int, rows_per_req: int,
+def build_step_programs(graphdef, attention: Callable, mesh: Mesh, *, arch, dp: int, rows_per_req: int,
                         max_logprobs: int, batch_invariant: bool = False,
                         lora_slots: tuple[int, int] | None = None,
-                        pooling_type: str | None = None, arch=None) -> dict[type, Callable]:
+                        pooling_type: str | None = None) -> dict[type, Callable]:
     """The step's jitted functions by program key type (their static arguments:
     ProgramInputs.static_args). ``attention``: the per-layer attention
     (pallas_kernels.backend.build_attention); ``rows_per_req``: S = k + 1 logits rows per

@@ -282,26 +282,35 @@ def test_async_scheduling_with_adapters(llama, llama_llm):
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
 def test_deepseek_mla_projections_equal_hf_merged(tiny_models, tmp_path, arch):
     """DeepSeek's MLA: adapters of the products before the latent (V3: q_a_proj and
-    q_b_proj; V2-Lite's shape: q_proj; both: kv_a_proj_with_mqa) and of o_proj equal
-    HF merged, at tp 1 and (V3) tp 2, where q_a_proj and kv_a_proj are whole on every
-    device and so are their A and B. kv_b_proj, absorbed into the queries and the output,
-    is refused."""
+    q_b_proj; V2-Lite's shape: q_proj; both: kv_a_proj_with_mqa), of kv_b_proj (applied
+    absorbed: into the queries and the output) and of o_proj equal HF merged, at tp 1
+    and (V3) tp 2, where q_a_proj and kv_a_proj are whole on every device and so are
+    their A and B. kv_b_proj alone, next to a request without adapter in the same
+    batch. The MLP (the dense layers' and the experts' gate_proj) is refused."""
     base = tiny_models(arch)
     targets = (("q_a_proj", "q_b_proj") if arch == "deepseek_v3" else ("q_proj",)) + ("kv_a_proj_with_mqa",
-                                                                                     "o_proj")
+                                                                                     "kv_b_proj", "o_proj")
     merged = make_peft_adapter(base, tmp_path / "a", r=8, alpha=16, targets=targets, seed=4)
     lora = LoRARequest("a", 1, str(tmp_path / "a"))
     llm = make_llm(base)
     check_against_hf(llm, merged, lora, prompts(5, [6, 31]), arch)
-    edit_adapter_config(tmp_path / "a", target_modules=["kv_b_proj", "o_proj"])
-    with pytest.raises(ValueError, match=r"target_modules \['kv_b_proj'\] are not supported"):
-        llm.generate("w5 w6", GREEDY, use_tqdm=False, lora_request=LoRARequest("kvb", 2, str(tmp_path / "a")))
+    kv_b = make_peft_adapter(base, tmp_path / "kvb", r=4, alpha=16, targets=("kv_b_proj",), seed=5)
+    kv_b_req = LoRARequest("kvb", 2, str(tmp_path / "kvb"))
+    check_against_hf(llm, kv_b, kv_b_req, prompts(6, [12, 20]), arch + " kv_b")
+    ps = [{"prompt_token_ids": p} for p in prompts(6, [12, 20])]
+    alone = [llm.generate(p, GREEDY, use_tqdm=False, lora_request=r)[0].outputs[0].token_ids
+             for p, r in zip(ps, [kv_b_req, None])]
+    mixed = llm.generate(ps, GREEDY, use_tqdm=False, lora_request=[kv_b_req, None])
+    assert [o.outputs[0].token_ids for o in mixed] == alone
+    edit_adapter_config(tmp_path / "a", target_modules=["gate_proj", "o_proj"])
+    with pytest.raises(ValueError, match=r"target_modules \['gate_proj'\] are not supported"):
+        llm.generate("w5 w6", GREEDY, use_tqdm=False, lora_request=LoRARequest("mlp", 3, str(tmp_path / "a")))
 
 
 @pytest.mark.devices(2)
 def test_deepseek_adapters_tensor_parallel(tiny_models, tmp_path):
     base = tiny_models("deepseek_v3")
     merged = make_peft_adapter(base, tmp_path / "a", r=8, alpha=16, seed=6,
-                               targets=("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"))
+                               targets=("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"))
     llm = make_llm(base, tensor_parallel_size=2)
     check_against_hf(llm, merged, LoRARequest("a", 1, str(tmp_path / "a")), prompts(7, [9, 25]), "deepseek tp2")

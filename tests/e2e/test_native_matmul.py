@@ -7,9 +7,9 @@ from jaxserve import LLM, SamplingParams
 from pallas_kernels import cpu_matmul
 from pallas_kernels.cpu import cpu_flags
 
-pytestmark = pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
-                                reason="the kernel needs AVX512-BF16; tests/pallas_kernels/test_cpu_matmul.py "
-                                       "checks that it is off without")
+pytestmark = pytest.mark.skipif(not cpu_matmul.preferred_on(cpu_flags()),
+                                reason="the engine uses the kernel on AVX512-BF16 CPUs without AMX; "
+                                       "tests/pallas_kernels/test_cpu_matmul.py checks it is off elsewhere")
 
 
 def _llm(path, **kw):

@@ -48,7 +48,7 @@ def test_products_per_row(dtype, transposed):
 def test_native_products_per_row():
     from pallas_kernels import cpu_matmul
 
-    if not cpu_matmul.enabled():
+    if not cpu_matmul._registered():
         pytest.skip("no AVX512-BF16 here: the tile path above covers this CPU")
     w = jnp.asarray(RNG.standard_normal((576, 192)) * 0.05, jnp.bfloat16)
     got = _row_everywhere(lambda x: matmul(x, w), 576, native=True)

@@ -29,7 +29,10 @@ def _inputs(m, k, n, seed=0):
 
 @needs_bf16
 def test_enabled_on_this_cpu():
-    assert cpu_matmul.enabled(), "the bf16 matmul kernel did not build (see the warning logged above)"
+    """On where it is preferred (AVX512-BF16 without AMX); built either way."""
+    assert cpu_matmul._registered(), "the bf16 matmul kernel did not build (see the warning logged above)"
+    assert cpu_matmul.enabled() == cpu_matmul.preferred_on(cpu_flags())
+    assert not cpu_matmul.preferred_on({"avx512_bf16", "amx_bf16"}) and cpu_matmul.preferred_on({"avx512_bf16"})
 
 
 @needs_bf16
