@@ -83,11 +83,12 @@ def _keeps_packed(packed: str | None, quantization: str | None, platform: str) -
     benchmarks/bench_quantization.py, with no dequantization per step). ValueError for a
     format name that is not the checkpoint's. (fp8 on a plain checkpoint is quantization
     at load, per channel.)"""
-    if quantization in KEPT_METHODS or (quantization == "fp8" and packed == "fp8"):
-        if packed_formats.KEPT_QUANTIZATION.get(packed) != quantization:
-            raise ValueError(f"quantization={quantization!r} names a packed checkpoint format, but the checkpoint is "
-                             f"{packed_formats.KEPT_QUANTIZATION.get(packed, packed) or 'not packed'}")
+    own = packed_formats.KEPT_QUANTIZATION.get(packed)  # the name of the checkpoint's format
+    if quantization is not None and quantization == own:
         return True
+    if quantization in KEPT_METHODS:
+        raise ValueError(f"quantization={quantization!r} names a packed checkpoint format, but the checkpoint is "
+                         f"{own or 'not packed'}")
     return packed is not None and quantization is None and platform != "cpu"
 
 
@@ -135,7 +136,7 @@ def _read_kept(model_path, arch, model_cls, packed: str, *, mesh, dtype, progres
 
     params = stream_safetensors(model_path, arch, model_cls, mesh, dtype, progress=progress, param_dtypes=dtypes,
                                 extra_ignored=(KV_SCALE_TENSORS,), ckpt=ckpt,
-                                transform=None if jax.default_backend() == "cpu" or kind == "fp8-block" else narrow)
+                                transform=narrow if codes == jnp.uint8 and jax.default_backend() != "cpu" else None)
     return arch, params
 
 

@@ -147,12 +147,8 @@ def dequantize_groups(codes, scale, zero, gidx, dtype):
     float32 as the checkpoint reader decodes it (the same values as the float view).
     Inside the step's jit, XLA can fuse this into the dot's operand on TPU / GPU (not
     measured on hardware yet), and the weights stay as stored in memory either way."""
-    if jnp.issubdtype(codes.dtype, jnp.floating):
-        q = codes.astype(jnp.float32)
-    elif zero is None:
-        q = e2m1_values(codes)
-    else:
-        q = codes.astype(jnp.float32)
+    e2m1 = zero is None and not jnp.issubdtype(codes.dtype, jnp.floating)
+    q = e2m1_values(codes) if e2m1 else codes.astype(jnp.float32)
     if gidx is not None:
         w = (q - zero[gidx]) * scale[gidx]
     else:

@@ -108,7 +108,7 @@ def test_deepseek_fp8_block_scaled_checkpoint(tiny_models, tmp_path, kept):
     assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv" in names
     llm = make_llm(tmp_path / "fp8", **({"quantization": "fp8", "enforce_eager": False} if kept else {}))
     if kept:
-        params = {k.rsplit("/", 1)[-1]: v for k, v in _served_params(llm).items()}
+        params = _served_params(llm, by_name=True)
         for name, groups in [("experts_gate", 4), ("kv_a_proj", 4), ("o_proj", 6), ("shared_down", 2)]:
             assert str(params[name].dtype) == "float8_e4m3fn", name
             assert params[name + "_scale"].shape[-2] == groups and name + "_zero" not in params

@@ -124,7 +124,7 @@ def test_gpt_oss_mxfp4_experts_give_the_dequantized_models_tokens(tiny_models, t
     write_mxfp4_gpt_oss(src, tmp_path / "float", tmp_path / "mxfp4")
     llm = make_llm(tmp_path / "mxfp4", **({"quantization": "mxfp4", "enforce_eager": False} if kept else {}))
     if kept:
-        params = {k.rsplit("/", 1)[-1]: v for k, v in _served_params(llm).items()}
+        params = _served_params(llm, by_name=True)
         assert str(params["experts_gate"].dtype) == "uint8" and params["experts_gate"].shape[-3:] == (8, 64, 32)
         assert params["experts_gate_scale"].shape[-3:] == (8, 2, 32)  # [E, in / 32, out]
         assert params["experts_down_scale"].shape[-3:] == (8, 1, 64) and "experts_down_zero" not in params

@@ -98,12 +98,13 @@ def test_fp8_block_layout_follows_the_format():
     assert np.all(np.abs(values - w) <= 2 ** -3 * np.abs(w) + 1e-6 * np.abs(w).max())
 
 
-def _served_params(llm) -> dict:
+def _served_params(llm, by_name: bool = False) -> dict:
+    """The served params by path ("layers/q_proj"), or ``by_name`` by their last part."""
     from flax import nnx
 
     state = llm.llm_engine.model_runner.state
-    return {"/".join(map(str, path)): v.get_value() for path, v in nnx.to_flat_state(state)
-            if isinstance(v, nnx.Param)}
+    key = (lambda path: str(path[-1])) if by_name else (lambda path: "/".join(map(str, path)))
+    return {key(path): v.get_value() for path, v in nnx.to_flat_state(state) if isinstance(v, nnx.Param)}
 
 
 @pytest.mark.parametrize("fmt", list(INT4_FORMATS))
@@ -158,13 +159,20 @@ def test_int4_weight_stays_int4_in_the_program():
     np.testing.assert_allclose(f(x, codes, scale, zero), want, rtol=1e-6)
 
 
-def test_int4_format_name_must_match_the_checkpoint(tiny_models, tmp_path):
+def test_kept_format_name_must_match_the_checkpoint(tiny_models, tmp_path):
+    """--quantization awq / mxfp4 needs a checkpoint in that format; fp8 on a plain
+    checkpoint still quantizes at load, per channel."""
     src = tiny_models("llama", kv_heads=2)
-    with pytest.raises(ValueError, match="names a packed checkpoint format, but the checkpoint is not packed"):
-        make_llm(src, quantization="awq")
     write_int4_checkpoint(src, "gptq", tmp_path / "float", tmp_path / "gptq")
-    with pytest.raises(ValueError, match="the checkpoint is gptq"):
-        make_llm(tmp_path / "gptq", quantization="awq")
+    for name in ("awq", "mxfp4"):
+        with pytest.raises(ValueError, match="names a packed checkpoint format, but the checkpoint is not packed"):
+            make_llm(src, quantization=name)
+        with pytest.raises(ValueError, match="the checkpoint is gptq"):
+            make_llm(tmp_path / "gptq", quantization=name)
+    llm = make_llm(src, quantization="fp8")
+    assert llm.llm_engine.model_runner.arch.quantization == "fp8"
+    q = next(v for k, v in _served_params(llm).items() if k.endswith("q_proj_scale"))
+    assert q.ndim == 2  # [L, out]: one scale per output channel
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq"])
@@ -245,17 +253,3 @@ def test_kept_fp8_and_e2m1_codes_decode_as_the_reader_does():
         entry = entry[entry.index("ENTRY"):].splitlines()[0]
         assert ("f8e4m3fn[64,48]" if c.dtype == jnp.float8_e4m3fn else "u4[64,48]") in entry, entry
 
-
-def test_kept_format_names(tiny_models, tmp_path):
-    """--quantization mxfp4 needs an MXFP4 checkpoint; fp8 on a plain checkpoint still
-    quantizes at load, per channel."""
-    src = tiny_models("llama", kv_heads=2)
-    with pytest.raises(ValueError, match="names a packed checkpoint format, but the checkpoint is not packed"):
-        make_llm(src, quantization="mxfp4")
-    write_int4_checkpoint(src, "awq", tmp_path / "float", tmp_path / "awq")
-    with pytest.raises(ValueError, match="the checkpoint is awq"):
-        make_llm(tmp_path / "awq", quantization="mxfp4")
-    llm = make_llm(src, quantization="fp8")
-    assert llm.llm_engine.model_runner.arch.quantization == "fp8"
-    q = next(v for k, v in _served_params(llm).items() if k.endswith("q_proj_scale"))
-    assert q.ndim == 2  # [L, out]: one scale per output channel
